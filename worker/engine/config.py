@@ -1,0 +1,109 @@
+"""Engine configuration: what the user asks for, and the model's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # alias of the default model, or a path to an HF folder / .gguf file
+    dtype: str = "bfloat16"
+    quantization: Literal["int8"] | None = "int8"
+    kv_cache_dtype: str = "int8"  # "int8" or "auto" (= dtype)
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_cache_memory_gb: float = 2.0  # CPU pool size; on CUDA see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
+    scheduling: Literal["length", "fifo"] = "length"
+    device: str | None = None  # None: cuda when available, else cpu
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
+            raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
+        if self.scheduling not in ("length", "fifo"):
+            raise ValueError(f"scheduling must be 'length' or 'fifo', got {self.scheduling!r}")
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return DTYPES[self.kv_cache_dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    rope_scaling: dict | None = None  # HF rope_scaling ("llama3" and "linear" are applied)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelConfig:
+        """Build from a transformers PretrainedConfig (LlamaConfig, MistralConfig, Qwen2Config)."""
+        model_type = getattr(hf_config, "model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}: Llama, Mistral and Qwen2 load")
+        if model_type == "mistral" and getattr(hf_config, "sliding_window", None):
+            raise ValueError("Mistral with a sliding window is not supported")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        rope_scaling = getattr(hf_config, "rope_scaling", None)
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_theta = getattr(hf_config, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,66 @@
+"""What the engine hands back: one RequestOutput per request, EngineStats per engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+@dataclass
+class RequestTimings:
+    queued: float  # time.monotonic() when the request entered the engine
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position in the input list
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    error: str | None = None
+    logprobs: list[float] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[float] | None = None  # one per prompt token after the first
+    timings: RequestTimings | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model, recompute after preemption included
+    padding_tokens: int = 0
+    num_kv_blocks: int = 0
+    peak_kv_blocks_used: int = 0
+    preemptions: int = 0
+    batch_size_sum: int = 0  # running sequences summed over steps (for the mean)
+    busy_seconds: float = 0.0
+    timeline: list[dict[str, float]] = field(default_factory=list)  # bounded samples over time
+
+    @property
+    def mean_running_batch_size(self) -> float:
+        return self.batch_size_sum / self.steps if self.steps else 0.0
+
+    @property
+    def peak_kv_utilization(self) -> float:
+        return self.peak_kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "computed_tokens": self.computed_tokens,
+            "padding_tokens": self.padding_tokens,
+            "num_kv_blocks": self.num_kv_blocks,
+            "peak_kv_blocks_used": self.peak_kv_blocks_used,
+            "peak_kv_utilization": round(self.peak_kv_utilization, 4),
+            "preemptions": self.preemptions,
+            "mean_running_batch_size": round(self.mean_running_batch_size, 2),
+            "busy_seconds": round(self.busy_seconds, 4),
+        }

@@ -6,6 +6,7 @@ from functools import cached_property
 from pathlib import Path
 
 from platformdirs import user_cache_dir
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -20,20 +21,45 @@ class Settings(BaseSettings):
     database_url: str | None = None  # None: SQLite under home (embedded default)
     broker_url: str | None = None  # None: run jobs in-process (embedded default)
     data_dir: Path | None = None  # None: home / "data"
-    shard_size: int = 256
-    device_hour_usd: float = 0.10
-    max_upload_mb: int = 512
+    shard_size: int = Field(256, ge=1)
+    device_hour_usd: float = Field(0.10, ge=0)
+    max_upload_mb: int = Field(512, ge=1)
     default_model: str = "smollm2-135m"
+    # Models the API accepts (aliases or folder paths); each has its own Celery queue.
+    models: list[str] = Field(default_factory=lambda: ["smollm2-135m"])
     quantization: str | None = "int8"
     kv_cache_dtype: str = "int8"
     dtype: str = "bfloat16"
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    num_threads: int | None = None  # torch threads in the worker; None keeps torch's default
+
+    # Service
+    api_url: str = "http://127.0.0.1:8000"  # where the CLI and client find the API
+    api_key: str | None = None  # bearer key the CLI and client send
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    flower_port: int = 5555
+    queue_prefix: str = "freight"  # Celery queue names are <prefix>.<model>
+    result_chunk_rows: int = Field(64, ge=1)  # result rows per bulk insert
+    result_flush_seconds: float = 2.0  # flush a partial chunk after this long
+    # A shard's lease in Postgres: a worker renews it while it runs; another worker may take the
+    # shard over only after it lapses. Keep it well under the broker's visibility timeout.
+    shard_lease_seconds: float = 120.0
+    broker_visibility_timeout: int = 3600  # seconds before Redis redelivers an unacked shard task
+    shard_max_attempts: int = 3  # after this many failed runs a shard's rows become error rows
+    cancel_poll_seconds: float = 1.0  # how often a running shard checks for cancellation
+    timeline_max_points: int = 200  # bounded time series per shard (tokens/s, batch, KV use)
 
     @cached_property
     def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.home / 'freight.db'}"
+        return self.database_url or self.embedded_database_url
+
+    @property
+    def embedded_database_url(self) -> str:
+        return f"sqlite:///{self.home / 'freight.db'}"
 
     @cached_property
     def resolved_data_dir(self) -> Path:
@@ -42,3 +68,10 @@ class Settings(BaseSettings):
     @property
     def models_dir(self) -> Path:
         return self.home / "models"
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return self.max_upload_mb * 1024 * 1024
+
+    def accepted_models(self) -> list[str]:
+        return list(dict.fromkeys([self.default_model, *self.models]))

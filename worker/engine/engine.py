@@ -1,0 +1,203 @@
+"""The engine loop: schedule a step, run the model on the packed tokens, sample, finish requests."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from worker.engine.attention import KVCache
+from worker.engine.block_manager import BlockManager, blocks_for
+from worker.engine.config import EngineConfig
+from worker.engine.loader import load_checkpoint
+from worker.engine.model import LlamaModel
+from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
+from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.stats import StatsRecorder
+from worker.engine.step_inputs import build_step_inputs, prompt_logprob_rows
+from worker.engine.stopping import FinishChecker
+
+LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
+
+
+def pick_device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        checkpoint = load_checkpoint(config.model, config.cache_dir)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = checkpoint.config
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.model = LlamaModel(
+            self.model_config, checkpoint.tensors, config.torch_dtype, config.quantization, self.device,
+            max_positions=self.max_model_len,
+        )
+        del checkpoint
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.kv_torch_dtype, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.stats = EngineStats(num_kv_blocks=num_blocks)
+        self._recorder = StatsRecorder(self.stats)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.finisher = FinishChecker(self.tokenizer, eos, self.max_model_len)
+        self._next_request_id = 0
+        self._rejected: list[Sequence] = []
+        self._fallback_generator = torch.Generator(device=self.device).manual_seed(0)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.config.kv_torch_dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.gpu_memory_utilization
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        # more blocks than max_num_seqs full-length sequences would never be used
+        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
+        num_blocks = min(int(budget // per_block), useful)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB holds no {per_block}-byte block")
+        return num_blocks
+
+    def add_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(
+            request_id=self._next_request_id,
+            index=index,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            timings=RequestTimings(queued=time.monotonic()),
+        )
+        self._next_request_id += 1
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        error = self._why_unfit(seq)
+        if error:
+            self._finish(seq, "error", error)
+            self._rejected.append(seq)
+        else:
+            self.stats.prompt_tokens += seq.num_prompt_tokens
+            self.scheduler.add(seq)
+        return seq
+
+    def _why_unfit(self, seq: Sequence) -> str | None:
+        n = seq.num_prompt_tokens
+        if n == 0:
+            return "empty prompt: it has no tokens"
+        if n >= self.max_model_len:
+            return f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no room for output"
+        vocab = self.model_config.vocab_size
+        if min(seq.prompt_token_ids) < 0 or max(seq.prompt_token_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab})"
+        longest = min(n + seq.params.max_tokens, self.max_model_len)
+        if blocks_for(longest, self.config.block_size) > self.blocks.num_blocks:
+            return (f"request needs up to {longest} tokens of KV cache but the pool holds "
+                    f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory_gb")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished request (cancellation)."""
+        self._rejected.clear()
+        return self.scheduler.drain()
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one engine step; return the sequences that finished in it."""
+        finished, self._rejected = self._rejected, []
+        if not self.scheduler.has_unfinished():
+            return finished
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        self.stats.preemptions += len(scheduled.preempted)
+        if scheduled.is_empty:
+            raise RuntimeError("scheduler made no progress; the KV pool is too small for any waiting request")
+        inputs = build_step_inputs(scheduled, self.blocks, self.device)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        for chunk, offset in zip(scheduled.prefills, inputs.prefill_offsets, strict=True):
+            if chunk.seq.params.prompt_logprobs:
+                self._collect_prompt_logprobs(hidden, chunk, offset)
+        for seq in scheduled.decodes:
+            seq.num_computed_tokens += 1
+        for chunk in scheduled.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+        finished.extend(self._sample(hidden, inputs.sample_rows, inputs.sample_seqs))
+        for seq in finished:
+            if seq in self.scheduler.running:
+                self.scheduler.remove_finished(seq)
+        self._recorder.record_step(
+            num_tokens=scheduled.num_tokens,
+            running=len(scheduled.decodes) + len(scheduled.prefills),
+            kv_blocks_used=self.blocks.num_used,
+            peak_kv_blocks_used=self.blocks.peak_used,
+            seconds=time.perf_counter() - started,
+        )
+        return finished
+
+    def _collect_prompt_logprobs(self, hidden: torch.Tensor, chunk, offset: int) -> None:
+        rows, targets = prompt_logprob_rows(chunk, offset)
+        for i in range(0, len(rows), LOGITS_CHUNK_ROWS):
+            part = rows[i : i + LOGITS_CHUNK_ROWS]
+            logits = self.model.logits(hidden[part])
+            target = torch.tensor(targets[i : i + LOGITS_CHUNK_ROWS], device=self.device)
+            chunk.seq.prompt_logprobs.extend(token_logprobs(logits, target))
+
+    def _sample(self, hidden: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[Sequence]:
+        if not rows:
+            return []
+        logits = self.model.logits(hidden[rows])  # [num_sampling, vocab] float32
+        apply_min_tokens(logits, [self.finisher.banned_tokens(s) for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._fallback_generator)
+        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        if want_logprobs:
+            picked = torch.tensor([tokens[i] for i in want_logprobs], device=self.device)
+            values = token_logprobs(logits[want_logprobs], picked)
+            for i, value in zip(want_logprobs, values, strict=True):
+                seqs[i].logprobs.append(value)
+        self.stats.output_tokens += len(tokens)
+        now = time.monotonic()
+        finished = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.output_token_ids.append(token)
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            reason = self.finisher.check(seq)
+            if reason:
+                self._finish(seq, reason, None)
+                finished.append(seq)
+        return finished
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.error = error
+        seq.timings.finished = time.monotonic()
+
+    def to_output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            index=seq.index,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            text=self.finisher.final_text(seq),
+            finish_reason=seq.finish_reason or "error",
+            error=seq.error,
+            logprobs=seq.logprobs if seq.params.logprobs else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs else None,
+            timings=seq.timings,
+        )

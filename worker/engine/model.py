@@ -1,0 +1,106 @@
+"""A Llama-family decoder over packed token batches and a paged KV cache.
+
+Plain tensors rather than nn.Modules: inference only, and fewer Python layers per op. The q/k/v
+and gate/up projections are fused so each layer runs four matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.attention import AttentionMetadata, KVCache
+from worker.engine.config import ModelConfig
+from worker.engine.quantization import Linear, make_linear
+from worker.engine.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same order of operations as transformers' LlamaRMSNorm, so float32 runs match it exactly
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: Linear
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        quantization: str | None,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def get(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"checkpoint lacks tensor {name!r}")
+            return tensors[name].to(device)
+
+        self.embed = get("model.embed_tokens.weight").to(dtype)  # [vocab, hidden]
+        self.norm = get("model.norm.weight").to(dtype)
+        head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in tensors else get("lm_head.weight")
+        self.lm_head = head.to(dtype)  # [vocab, hidden]; kept in dtype for logit quality
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None
+            gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=get(p + "input_layernorm.weight").to(dtype),
+                    qkv=make_linear(qkv_w, qkv_b, dtype, quantization),
+                    o_proj=make_linear(get(p + "self_attn.o_proj.weight"), None, dtype, quantization),
+                    post_norm=get(p + "post_attention_layernorm.weight").to(dtype),
+                    gate_up=make_linear(gate_up_w, None, dtype, quantization),
+                    down=make_linear(get(p + "mlp.down_proj.weight"), None, dtype, quantization),
+                )
+            )
+        self.rope = RotaryEmbedding(config, max_positions, dtype, device)
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
+            k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = kv_cache.attend(i, q, k, v, meta, self.scale)
+            hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))
+            x = rms_norm(hidden, layer.post_norm, eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return rms_norm(hidden, self.norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return F.linear(hidden, self.lm_head).float()

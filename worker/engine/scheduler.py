@@ -1,0 +1,170 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each feeds.
+
+Decodes go first (one token each), then chunks of unfinished prefills, then new sequences, all
+bounded by max_num_seqs, max_num_batched_tokens and free KV blocks. When a decode needs a block
+and none is free, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first position fed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so the step samples the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.running: list[Sequence] = []  # admission order: the last one is the newest
+        self._waiting: list[Sequence] = []
+        self._waiting_sorted = True
+        self._preempted: deque[Sequence] = deque()  # resumed before any new request
+        # keep a few blocks free at admission so running decodes do not preempt at once
+        self._admission_reserve = max(1, block_manager.num_blocks // 100)
+
+    def add(self, seq: Sequence) -> None:
+        self._waiting.append(seq)
+        self._waiting_sorted = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._preempted)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting or self._preempted)
+
+    def remove_finished(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def drain(self) -> list[Sequence]:
+        """Drop every unfinished sequence (cancellation), freeing its blocks."""
+        dropped = [*self.running, *self._preempted, *self._waiting]
+        for seq in self.running:
+            self.blocks.free(seq)
+        self.running, self._waiting = [], []
+        self._preempted.clear()
+        return dropped
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget -= self._schedule_decodes(out)
+        budget = self._schedule_running_prefills(out, budget)
+        self._admit(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            while not self.blocks.can_allocate(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.allocate(seq, seq.num_tokens)
+                out.decodes.append(seq)
+        return len(out.decodes)
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed_tokens <= 1:
+                continue
+            num = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=0)
+            if num > 0:
+                self.blocks.allocate(seq, seq.num_computed_tokens + num)
+                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num))
+                budget -= num
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                return
+            num = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=self._admission_reserve)
+            if num == 0:
+                return
+            self._pop_waiting(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.allocate(seq, num)
+            out.prefills.append(PrefillChunk(seq, 0, num))
+            budget -= num
+
+    def _fit_chunk(self, seq: Sequence, wanted: int, reserve: int) -> int:
+        """Largest chunk <= wanted whose blocks can be allocated now, keeping `reserve` blocks free."""
+        free_blocks = self.blocks.num_free - reserve
+        if free_blocks < 0:
+            return 0
+        capacity = (len(seq.block_table) + free_blocks) * self.blocks.block_size - seq.num_computed_tokens
+        return max(0, min(wanted, capacity))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self._preempted.appendleft(seq)
+        out.preempted.append(seq)
+        if seq in out.decodes:
+            out.decodes.remove(seq)
+
+    def _peek_waiting(self) -> Sequence | None:
+        if self._preempted:
+            return self._preempted[0]
+        if not self._waiting:
+            return None
+        if not self._waiting_sorted:
+            if self.config.scheduling == "length":
+                # shortest last, so that pop() from the end admits shortest-first
+                self._waiting.sort(key=lambda s: (s.num_tokens, s.request_id), reverse=True)
+            else:
+                self._waiting.sort(key=lambda s: s.request_id, reverse=True)
+            self._waiting_sorted = True
+        return self._waiting[-1]
+
+    def _pop_waiting(self, seq: Sequence) -> None:
+        if self._preempted and self._preempted[0] is seq:
+            self._preempted.popleft()
+        else:
+            self._waiting.pop()

@@ -1,0 +1,95 @@
+"""Flatten a scheduled step into packed model inputs: no padding, decodes first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.attention import AttentionMetadata
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import PrefillChunk, SchedulerOutput
+from worker.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of each sampling sequence's last token
+    sample_seqs: list[Sequence]
+    prefill_offsets: list[int]  # first row of each prefill chunk
+
+
+def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:  # [num_seqs, max_blocks] int32
+    width = max(len(s.block_table) for s in seqs)
+    # entries past a sequence's length are never read by the kernels; 0 keeps them in range
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.device) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    for row, seq in enumerate(out.decodes):
+        pos = seq.num_computed_tokens
+        ids.append(seq.token_at(pos))
+        positions.append(pos)
+        slots.append(blocks.slot(seq, pos))
+        sample_rows.append(row)
+        sample_seqs.append(seq)
+    num_decodes = len(ids)
+
+    query_start_loc = [0]
+    prefill_offsets: list[int] = []
+    for chunk in out.prefills:
+        prefill_offsets.append(len(ids))
+        ids.extend(chunk.seq.tokens(chunk.start, chunk.end))
+        span = range(chunk.start, chunk.end)
+        positions.extend(span)
+        slots.extend(blocks.slot(chunk.seq, p) for p in span)
+        query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
+        if chunk.samples:
+            sample_rows.append(len(ids) - 1)
+            sample_seqs.append(chunk.seq)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    prefill_seqs = [c.seq for c in out.prefills]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decode_tokens=num_decodes,
+        decode_block_tables=_block_tables(out.decodes, device) if out.decodes else None,
+        decode_context_lens=i32([p + 1 for p in positions[:num_decodes]]) if out.decodes else None,
+        prefill_block_tables=_block_tables(prefill_seqs, device) if prefill_seqs else None,
+        prefill_query_start_loc=i32(query_start_loc) if prefill_seqs else None,
+        prefill_seq_lens=i32([c.end for c in out.prefills]) if prefill_seqs else None,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        sample_rows=sample_rows,
+        sample_seqs=sample_seqs,
+        prefill_offsets=prefill_offsets,
+    )
+
+
+def prompt_logprob_rows(chunk: PrefillChunk, offset: int) -> tuple[list[int], list[int]]:
+    """Rows whose logits score prompt tokens, and the prompt tokens they score.
+
+    Row of position p predicts token p + 1; only prompt tokens after the first are scored, each once
+    (a sequence recomputed after preemption skips what it already has).
+    """
+    seq = chunk.seq
+    first = max(chunk.start, len(seq.prompt_logprobs))
+    last = min(chunk.end, seq.num_prompt_tokens - 1)
+    positions = range(first, last)
+    rows = [offset + p - chunk.start for p in positions]
+    targets = [seq.prompt_token_ids[p + 1] for p in positions]
+    return rows, targets

@@ -1,0 +1,20 @@
+"""Attention, KV-cache and INT8 ops of the inference engine.
+
+Each op dispatches to a Triton kernel for CUDA tensors (when triton is installed) and to a torch
+implementation otherwise; kernels/reference.py holds the slow references the tests compare against.
+Importing this package needs neither triton nor CUDA.
+"""
+
+from kernels.decode_attention import paged_decode_attention
+from kernels.int8_linear import int8_linear, quantize_per_token, quantize_weight_per_channel
+from kernels.kv_cache import write_kv_cache
+from kernels.prefill_attention import paged_prefill_attention
+
+__all__ = [
+    "int8_linear",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quantize_per_token",
+    "quantize_weight_per_channel",
+    "write_kv_cache",
+]

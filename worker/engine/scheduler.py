@@ -87,7 +87,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget -= self._schedule_decodes(out)
         budget = self._schedule_running_prefills(out, budget)
-        self._admit(out, budget)
+        if not out.preempted:  # memory is short this step: admitting now would only preempt again
+            self._admit(out, budget)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:

@@ -130,3 +130,26 @@ def test_logprobs_are_reported_per_token(tiny: LLM) -> None:
                                                            ignore_eos=True))[0]
     assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
     assert len(out.prompt_logprobs) == 3 and all(lp <= 0 for lp in out.prompt_logprobs)
+
+
+def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir) -> None:
+    batch = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=6, prompt_logprobs=True, ignore_eos=True)
+    options = dict(dtype="float32", quantization=None, kv_cache_dtype="auto", num_kv_blocks=400)
+    whole = LLM(str(tiny_llama_dir), max_num_batched_tokens=4096, **options).generate(batch, params)
+    chunked_llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=7, **options)
+    chunked = chunked_llm.generate(batch, params)
+    assert chunked_llm.stats.steps > 20  # really chunked
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) - 1
+        assert b.prompt_logprobs == pytest.approx(a.prompt_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "auto"])
+def test_int8_weights_run_with_either_cache(tiny_llama_dir, kv_cache_dtype: str) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8", kv_cache_dtype=kv_cache_dtype,
+              num_kv_blocks=200)
+    outs = llm.generate(prompts(10, seed=2), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 5 and o.error is None for o in outs)
+    assert llm.stats.padding_tokens == 0

@@ -94,3 +94,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def test_int8_kv_cache_holds_1_9x_the_tokens_of_bfloat16(smollm2_path) -> None:
+    common = dict(dtype="bfloat16", quantization=None, kv_cache_memory_gb=0.25, max_num_seqs=1024)
+    bf16 = LLM(str(smollm2_path), kv_cache_dtype="auto", **common).stats.num_kv_blocks
+    int8 = LLM(str(smollm2_path), kv_cache_dtype="int8", **common).stats.num_kv_blocks
+    print(f"KV blocks in 0.25 GiB: bfloat16 {bf16}, int8 {int8} ({int8 / bf16:.3f}x)")
+    assert int8 >= 1.9 * bf16

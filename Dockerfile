@@ -1,0 +1,18 @@
+# One image for every Freight service (api, worker, flower, migrate); compose.yaml picks the command.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+
+# torch first and pinned: it is the large layer, and it changes least often.
+RUN pip install torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY jobs ./jobs
+COPY worker ./worker
+COPY kernels ./kernels
+COPY storage ./storage
+COPY migrations ./migrations
+RUN pip install ".[triton]"
+
+CMD ["freight", "--help"]

@@ -1,0 +1,68 @@
+"""Celery wiring shared by the API (which only sends tasks) and the worker (which runs them):
+task names, queue names (one per model) and the configuration both sides must agree on."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import PurePath
+from typing import Any
+
+from storage.settings import Settings
+
+TASK_RUN_SHARD = "freight.run_shard"
+TASK_FINALIZE_JOB = "freight.finalize_job"
+_PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def queue_for_model(settings: Settings, model: str) -> str:
+    """`<prefix>.<alias>`; a folder path becomes its last name plus a short hash of the whole path."""
+    if _PLAIN.match(model):
+        return f"{settings.queue_prefix}.{model}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePath(model).name)[:40] or "model"
+    digest = hashlib.sha1(model.encode()).hexdigest()[:10]
+    return f"{settings.queue_prefix}.{stem}-{digest}"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    if not settings.broker_url:
+        raise RuntimeError("FREIGHT_BROKER_URL is not set: the service needs a broker (redis://...)")
+    return {
+        "broker_url": settings.broker_url,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_backend": None,  # results live in Postgres; shard outcomes reach Flower through events
+        "task_ignore_result": True,
+        # A shard is acknowledged only after it ran; if the worker dies the broker hands it out again.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "broker_transport_options": {"visibility_timeout": settings.broker_visibility_timeout},
+        "broker_connection_retry_on_startup": True,
+        "task_default_queue": f"{settings.queue_prefix}.default",
+        "worker_hijack_root_logger": False,
+    }
+
+
+class CeleryDispatcher:
+    """Sends one run_shard task per shard to the model's queue."""
+
+    def __init__(self, settings: Settings) -> None:
+        from celery import Celery
+
+        self.settings = settings
+        self.app = Celery("freight-api", set_as_current=False)
+        self.app.conf.update(celery_config(settings))
+
+    def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None:
+        queue = queue_for_model(self.settings, model)
+        with self.app.producer_or_acquire() as producer:
+            for index in shard_indices:
+                self.app.send_task(TASK_RUN_SHARD, args=[job_id, index], queue=queue, producer=producer)
+
+    def ping(self, timeout: float = 2.0) -> None:
+        """Raise if the broker cannot be reached."""
+        with self.app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1, timeout=timeout)

@@ -1,0 +1,76 @@
+"""`freight`: run a job here (`run`), talk to a Freight service (`submit`, `status`, ...), or run one
+(`db upgrade`, `keys`, `api`, `worker`, `flower`). Engine commands import the engine lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jobs import cli_admin, cli_local, cli_remote
+from jobs.errors import InputError
+
+
+def add_job_param_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("job parameters")
+    group.add_argument("--params", help="job parameters as a JSON object (flags below override it)")
+    group.add_argument("--model", help="model alias or folder (default: FREIGHT_DEFAULT_MODEL)")
+    group.add_argument("--max-tokens", type=int)
+    group.add_argument("--temperature", type=float)
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--top-k", type=int)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--stop", action="append", help="stop string (repeatable)")
+    group.add_argument(
+        "--template", help='prompt from columns, e.g. "Summarize the following document.\\n\\n{text}"'
+    )
+    group.add_argument("--prompt-column")
+    group.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template"
+    )
+    group.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="job metadata (repeatable)")
+    group.add_argument("--quantization", choices=["int8", "none"])
+    group.add_argument("--kv-cache-dtype", choices=["int8", "auto", "bfloat16", "float16", "float32"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="freight", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a job in this process (embedded SQLite, no services)")
+    run.add_argument("input", help="input Parquet file")
+    run.add_argument("-o", "--output", required=True, help="results Parquet file to write")
+    run.add_argument("--metrics-json", help="also write the job's metrics here")
+    run.add_argument("--no-progress", action="store_true")
+    add_job_param_args(run)
+    run.set_defaults(handler=cli_local.cmd_run)
+
+    sample = commands.add_parser("sample-docs", help="write the sample documents for a summarization demo")
+    sample.add_argument("-o", "--output", required=True)
+    sample.add_argument("--rows", type=int, help="number of rows (documents repeat past the shipped set)")
+    sample.set_defaults(handler=cli_local.cmd_sample_docs)
+
+    cli_remote.add_commands(commands, add_job_param_args)
+    cli_admin.add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cli_admin.run_bench(argv[1:])  # every remaining argument belongs to the benchmark
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except InputError as exc:
+        print(f"freight: {exc.message}", file=sys.stderr)
+        return 2
+    except cli_remote.CLIError as exc:
+        print(f"freight: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Commands that run or administer the service: db, keys, api, worker, flower, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from storage.settings import Settings
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    db = commands.add_parser("db", help="database schema (Alembic)")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    upgrade = db_commands.add_parser("upgrade", help="migrate FREIGHT_DATABASE_URL to the newest schema")
+    upgrade.add_argument("--revision", default="head")
+    upgrade.set_defaults(handler=cmd_db_upgrade)
+    db_commands.add_parser("current", help="show the schema revision").set_defaults(handler=cmd_db_current)
+
+    keys = commands.add_parser("keys", help="API keys (each bound to a tenant)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = key_commands.add_parser("create", help="create a key; it is printed once, only a hash is stored")
+    create.add_argument("--tenant", required=True)
+    create.set_defaults(handler=cmd_keys_create)
+    revoke = key_commands.add_parser("revoke", help="revoke a key (by key id or the key itself)")
+    revoke.add_argument("key")
+    revoke.set_defaults(handler=cmd_keys_revoke)
+    listing = key_commands.add_parser("list", help="list key ids and tenants")
+    listing.add_argument("--tenant")
+    listing.set_defaults(handler=cmd_keys_list)
+
+    api = commands.add_parser("api", help="run the HTTP API (uvicorn)")
+    api.add_argument("--host", help="default: FREIGHT_API_HOST")
+    api.add_argument("--port", type=int, help="default: FREIGHT_API_PORT")
+    api.add_argument("--workers", type=int, default=1)
+    api.set_defaults(handler=cmd_api)
+
+    worker = commands.add_parser("worker", help="run a Celery worker for one model's queue")
+    worker.add_argument("--model", help="default: FREIGHT_DEFAULT_MODEL")
+    worker.add_argument("--pool", choices=["threads", "solo"], default="threads")
+    worker.add_argument("--concurrency", type=int, default=1, help="shards at once (they share one engine)")
+    worker.add_argument("--hostname", help="Celery node name (default: freight-<pid>@<host>)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument("--no-preload", action="store_true", help="load the model on the first shard")
+    worker.set_defaults(handler=cmd_worker)
+
+    flower = commands.add_parser("flower", help="run Flower against the broker the workers use")
+    flower.add_argument("--port", type=int, help="default: FREIGHT_FLOWER_PORT")
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.set_defaults(handler=cmd_flower)
+
+    models = commands.add_parser("models", help="model files")
+    model_commands = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    pull = model_commands.add_parser("pull", help="fetch and convert a model into the cache")
+    pull.add_argument("alias")
+    pull.add_argument("--cache-dir", help="default: FREIGHT_HOME/models")
+    pull.set_defaults(handler=cmd_models_pull)
+
+    bench = commands.add_parser(
+        "bench", help="engine benchmark (arguments go to the benchmark)", add_help=False
+    )
+    bench.set_defaults(handler=None)
+
+
+def _upgrade_if_embedded(settings: Settings) -> None:
+    """The embedded SQLite database migrates itself; Postgres is migrated by `freight db upgrade`."""
+    from storage.db import upgrade
+
+    if settings.resolved_database_url.startswith("sqlite"):
+        upgrade(settings.resolved_database_url)
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from storage.db import upgrade
+
+    url = Settings().resolved_database_url
+    upgrade(url, args.revision)
+    print(f"database at {_redacted(url)} is at revision {args.revision}")
+    return 0
+
+
+def cmd_db_current(_args: argparse.Namespace) -> int:
+    from storage.db import current_revision
+
+    print(current_revision(Settings().resolved_database_url) or "empty")
+    return 0
+
+
+def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _sessions(settings: Settings):
+    from storage.db import make_engine, make_session_factory
+
+    _upgrade_if_embedded(settings)
+    return make_session_factory(make_engine(settings.resolved_database_url))
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from storage.keys import create_key
+
+    with _sessions(Settings())() as session:
+        new_key = create_key(session, args.tenant)
+    print(new_key.key)
+    print(
+        f"key id {new_key.key_id} for tenant {new_key.tenant!r}; the key is shown only now", file=sys.stderr
+    )
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from storage.keys import revoke_key
+
+    with _sessions(Settings())() as session:
+        revoked = revoke_key(session, args.key)
+    print("revoked" if revoked else "no such active key", file=sys.stderr)
+    return 0 if revoked else 1
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from storage.keys import list_keys
+
+    with _sessions(Settings())() as session:
+        for key in list_keys(session, args.tenant):
+            state = f"revoked {key.revoked_at:%Y-%m-%d}" if key.revoked_at else "active"
+            print(f"{key.key_id}  {key.tenant}  {key.created_at:%Y-%m-%d %H:%M}  {state}")
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = Settings()
+    uvicorn.run(
+        "jobs.api:create_app",
+        factory=True,
+        host=args.host or settings.api_host,
+        port=args.port or settings.api_port,
+        workers=args.workers,
+        log_level="info",
+    )
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from worker.celery_app import run_worker
+
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    run_worker(
+        settings,
+        args.model or settings.default_model,
+        pool=args.pool,
+        concurrency=args.concurrency,
+        loglevel=args.loglevel,
+        hostname=args.hostname,
+        preload=not args.no_preload,
+    )
+    return 0
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    from celery.bin.celery import main as celery_main
+
+    settings = Settings()
+    if not settings.broker_url:
+        print("freight: FREIGHT_BROKER_URL is not set", file=sys.stderr)
+        return 2
+    # The same broker (the same Redis lists) the API sends shards to and the workers consume.
+    sys.argv = [
+        "celery",
+        f"--broker={settings.broker_url}",
+        "flower",
+        f"--port={args.port or settings.flower_port}",
+        f"--address={args.address}",
+    ]
+    return celery_main() or 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from worker.commands import models_pull
+
+    print(models_pull(args.alias, args.cache_dir))
+    return 0
+
+
+def run_bench(argv: list[str]) -> int:
+    from worker.commands import bench
+
+    return bench(argv)

@@ -1,0 +1,146 @@
+"""CLI commands that talk to a Freight service over HTTP (FREIGHT_API_URL, FREIGHT_API_KEY)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from jobs.cli_params import params_dict_from_args
+from jobs.client import FreightAPIError, FreightClient
+
+
+class CLIError(Exception):
+    pass
+
+
+def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Callable) -> None:
+    def remote(name: str, help_text: str, handler: Callable) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help_text)
+        parser.add_argument("--api-url", help="default: FREIGHT_API_URL")
+        parser.add_argument("--api-key", help="default: FREIGHT_API_KEY")
+        parser.set_defaults(handler=handler)
+        return parser
+
+    submit = remote("submit", "submit a Parquet job to the service", cmd_submit)
+    submit.add_argument("file")
+    submit.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar")
+    submit.add_argument("-o", "--output", help="with --wait: download the results here")
+    add_job_param_args(submit)
+
+    status = remote("status", "show a job", cmd_status)
+    status.add_argument("job_id")
+
+    results = remote("results", "download a job's results Parquet", cmd_results)
+    results.add_argument("job_id")
+    results.add_argument("-o", "--output", required=True)
+
+    cancel = remote("cancel", "cancel a job", cmd_cancel)
+    cancel.add_argument("job_id")
+
+    metrics = remote("metrics", "show a job's metrics", cmd_metrics)
+    metrics.add_argument("job_id")
+
+    listing = remote("jobs", "list jobs, newest first", cmd_jobs)
+    listing.add_argument("--status")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--after", help="job id to continue after")
+
+
+def _client(args: argparse.Namespace) -> FreightClient:
+    return FreightClient(base_url=args.api_url, api_key=args.api_key)
+
+
+def _call(action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except FreightAPIError as exc:
+        raise CLIError(str(exc)) from exc
+    except (httpx.TransportError, OSError) as exc:  # connection refused and friends
+        raise CLIError(f"cannot reach the API: {exc}") from exc
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    params = params_dict_from_args(args)
+    with _client(args) as client:
+        job = _call(lambda: client.submit(args.file, params))
+        if not args.wait:
+            _print_json(job)
+            return 0
+        print(f"submitted {job['id']}", file=sys.stderr)
+        job = wait_with_progress(client, job["id"])
+        _print_json(job)
+        if args.output and job["status"] in ("completed", "cancelled"):
+            _call(lambda: client.download_results(job["id"], Path(args.output)))
+            print(f"results: {args.output}", file=sys.stderr)
+        return 0 if job["status"] == "completed" else 1
+
+
+def wait_with_progress(client: FreightClient, job_id: str) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="row", desc="rows", dynamic_ncols=True)
+
+    def update(job: dict[str, Any]) -> None:
+        counts = job["request_counts"]
+        bar.total = counts["total"]
+        bar.n = counts["completed"] + counts["failed"]
+        if job["status"] in ("in_progress", "finalizing"):
+            metrics = client.metrics(job_id)
+            bar.set_postfix_str(f"{job['status']}, {metrics['tokens_per_second']:.0f} tok/s", refresh=False)
+        else:
+            bar.set_postfix_str(job["status"], refresh=False)
+        bar.refresh()
+
+    try:
+        return _call(lambda: client.wait(job_id, on_update=update))
+    finally:
+        bar.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        _print_json(_call(lambda: client.get_job(args.job_id)))
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        _call(lambda: client.download_results(args.job_id, Path(args.output)))
+    print(f"results: {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        _print_json(_call(lambda: client.cancel(args.job_id)))
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        _print_json(_call(lambda: client.metrics(args.job_id)))
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        page = _call(lambda: client.list_jobs(status=args.status, limit=args.limit, after=args.after))
+    for job in page["data"]:
+        counts = job["request_counts"]
+        done = counts["completed"] + counts["failed"]
+        print(
+            f"{job['id']}  {job['status']:<11}  {done}/{counts['total']} rows  {job['created_at']}  {job['model']}"
+        )
+    if page["has_more"]:
+        print(f"more: freight jobs --after {page['last_id']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,158 @@
+"""Python client for the Freight HTTP API."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.schemas import JobParams
+from storage.settings import Settings
+from storage.status import FINAL_JOB_STATUSES
+
+
+class FreightAPIError(Exception):
+    def __init__(self, status_code: int, detail: Any) -> None:
+        message = detail.get("message") if isinstance(detail, dict) else detail
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class FreightClient:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 120.0,
+        settings: Settings | None = None,
+    ) -> None:
+        settings = settings or Settings()
+        key = api_key or settings.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.Client(base_url=base_url or settings.api_url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> FreightClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self.http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                detail = body.get("error") or body.get("detail") or body
+            except ValueError:
+                detail = response.text
+            raise FreightAPIError(response.status_code, detail)
+        return response
+
+    def submit(
+        self,
+        file: str | Path | bytes | pa.Table,
+        params: JobParams | dict[str, Any] | None = None,
+        **param_fields: Any,
+    ) -> dict[str, Any]:
+        """Upload a Parquet file (path, bytes or an Arrow table) with job params; returns the job."""
+        if isinstance(params, JobParams):
+            payload = params.model_dump(exclude_unset=True)
+        else:
+            payload = dict(params or {})
+        payload.update(param_fields)
+        if isinstance(file, pa.Table):
+            sink = io.BytesIO()
+            pq.write_table(file, sink)
+            content, name = sink.getvalue(), "input.parquet"
+        elif isinstance(file, bytes):
+            content, name = file, "input.parquet"
+        else:
+            content, name = Path(file).read_bytes(), Path(file).name
+        response = self._request(
+            "POST",
+            "/v1/jobs",
+            files={"file": (name, content, "application/vnd.apache.parquet")},
+            data={"params": json.dumps(payload)},
+        )
+        return response.json()
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/jobs/{job_id}").json()
+
+    def list_jobs(
+        self, status: str | None = None, limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        query: dict[str, Any] = {"limit": limit}
+        if status:
+            query["status"] = status
+        if after:
+            query["after"] = after
+        return self._request("GET", "/v1/jobs", params=query).json()
+
+    def iter_jobs(self, status: str | None = None, page_size: int = 50) -> Iterator[dict[str, Any]]:
+        """Every job, newest first, following the cursor page by page."""
+        after = None
+        while True:
+            page = self.list_jobs(status=status, limit=page_size, after=after)
+            yield from page["data"]
+            if not page["has_more"]:
+                return
+            after = page["last_id"]
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return self._request("GET", f"/v1/jobs/{job_id}/events").json()
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/jobs/{job_id}/cancel").json()
+
+    def metrics(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/jobs/{job_id}/metrics").json()
+
+    def results_bytes(self, job_id: str) -> bytes:
+        return self._request("GET", f"/v1/jobs/{job_id}/results").content
+
+    def results_table(self, job_id: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(self.results_bytes(job_id)))
+
+    def download_results(self, job_id: str, path: str | Path) -> Path:
+        path = Path(path)
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
+            if response.status_code >= 400:
+                response.read()
+                raise FreightAPIError(response.status_code, response.text)
+            with open(path, "wb") as sink:
+                for chunk in response.iter_bytes():
+                    sink.write(chunk)
+        return path
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        poll_seconds: float = 1.0,
+        timeout: float | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the job reaches completed, failed or cancelled; returns the final job."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get_job(job_id)
+            if on_update is not None:
+                on_update(job)
+            if job["status"] in FINAL_JOB_STATUSES:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout}s")
+            time.sleep(poll_seconds)

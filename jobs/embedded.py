@@ -1,0 +1,118 @@
+"""`freight run`: the whole job in this process, on SQLite under FREIGHT_HOME, through the same
+submit, shard and finalize code as the service. The engine is imported only when a job runs."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.schemas import JobParams
+from jobs.service import JobService
+from storage.blobs import BlobStore, results_name
+from storage.db import make_engine, make_session_factory, upgrade
+from storage.settings import Settings
+from storage.status import JobStatus
+
+LOCAL_TENANT = "local"
+
+
+@dataclass
+class EmbeddedResult:
+    job_id: str
+    status: str
+    metrics: dict[str, Any]
+    output_path: Path
+
+
+@dataclass
+class RunProgress:
+    rows_done: int
+    rows_total: int
+    tokens_done: int
+    elapsed_s: float
+
+
+def run_embedded(
+    input_path: Path,
+    output_path: Path,
+    params: JobParams,
+    settings: Settings | None = None,
+    on_progress: Callable[[RunProgress], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
+) -> EmbeddedResult:
+    from worker.finalize import finalize_job
+    from worker.llm_pool import LLMPool
+    from worker.shard_runner import ShardRetry, WorkerContext, ready_to_finalize, run_shard
+
+    settings = settings or Settings()
+    url = settings.embedded_database_url
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        sessions = make_session_factory(engine)
+        blobs = BlobStore(settings.resolved_data_dir)
+        service = JobService(settings, sessions, blobs, dispatcher=None, allow_any_model=True)
+        with open(input_path, "rb") as upload:
+            job = service.submit(LOCAL_TENANT, upload, params)
+        ctx = WorkerContext(settings=settings, sessions=sessions, blobs=blobs)
+        pool = LLMPool(settings)
+        if on_status:
+            on_status(f"job {job.id}: {job.request_counts.total} rows; loading {job.model}")
+        pool.get(service.resolve(params))  # load before the progress bar starts
+        tracker = _ProgressTracker(job.request_counts.total, on_progress)
+        for shard_index in service.shard_indices(job.id):
+            for _attempt in range(settings.shard_max_attempts):
+                try:
+                    run_shard(ctx, pool, job.id, shard_index, on_progress=tracker.shard_update)
+                    break
+                except ShardRetry:
+                    continue
+            tracker.shard_done()
+        if ready_to_finalize(ctx, job.id):
+            finalize_job(ctx, job.id)
+        final = service.get(LOCAL_TENANT, job.id)
+        metrics = service.metrics(LOCAL_TENANT, job.id)
+        if final.status == JobStatus.COMPLETED:
+            output_path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(blobs.path(results_name(job.id)), output_path)
+        return EmbeddedResult(job.id, final.status, metrics, output_path)
+    finally:
+        engine.dispose()
+
+
+class _ProgressTracker:
+    """Turns per-shard cumulative progress into job-wide progress."""
+
+    def __init__(self, rows_total: int, on_progress: Callable[[RunProgress], None] | None) -> None:
+        self.rows_total = rows_total
+        self.on_progress = on_progress
+        self.started = time.monotonic()
+        self.rows_before = 0  # rows of finished shards
+        self.tokens_before = 0
+        self.shard_rows = 0
+        self.shard_tokens = 0
+
+    def shard_update(self, update) -> None:
+        self.shard_rows, self.shard_tokens = update.rows_done, update.tokens_done
+        self._emit()
+
+    def shard_done(self) -> None:
+        self.rows_before += self.shard_rows
+        self.tokens_before += self.shard_tokens
+        self.shard_rows = self.shard_tokens = 0
+        self._emit()
+
+    def _emit(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(
+                RunProgress(
+                    rows_done=self.rows_before + self.shard_rows,
+                    rows_total=self.rows_total,
+                    tokens_done=self.tokens_before + self.shard_tokens,
+                    elapsed_s=time.monotonic() - self.started,
+                )
+            )

@@ -1,0 +1,71 @@
+"""A job's cost metrics, from its stored rows (token counts) and its shards' engine stats (device time,
+padding, batch size, KV use). Used at finalize and, for a running job, on every metrics request."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from storage.job_store import seconds_between
+from storage.models import Job, ResultRow, utcnow
+from storage.result_store import token_sums
+from storage.settings import Settings
+from storage.shard_store import shards_of
+from storage.status import FinishReason
+
+# Engine counters that add up across shards (each shard records its own difference).
+SUMMED_STATS = ("steps", "computed_tokens", "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds")
+
+
+def compute_metrics(
+    session: Session, job: Job, settings: Settings, finished_at: datetime | None = None
+) -> dict[str, Any]:
+    stored_rows, prompt_tokens, output_tokens = token_sums(session, job.id)
+    by_reason = dict(
+        session.execute(
+            select(ResultRow.finish_reason, func.count())
+            .where(ResultRow.job_id == job.id)
+            .group_by(ResultRow.finish_reason)
+        ).all()
+    )
+    shards = shards_of(session, job.id)
+    totals = dict.fromkeys(SUMMED_STATS, 0.0)
+    peak_kv = 0.0
+    for shard in shards:
+        engine = (shard.stats or {}).get("engine", {})
+        for name in SUMMED_STATS:
+            totals[name] += float(engine.get(name, 0))
+        peak_kv = max(peak_kv, float(engine.get("peak_kv_utilization", 0.0)))
+
+    end = finished_at or job.finished_at or utcnow()
+    wall = seconds_between(job.started_at, end)
+    device_seconds = totals["busy_seconds"]
+    total_tokens = prompt_tokens + output_tokens
+    cost = device_seconds / 3600.0 * settings.device_hour_usd
+    completed = by_reason.get(FinishReason.STOP, 0) + by_reason.get(FinishReason.LENGTH, 0)
+    return {
+        "rows": job.num_rows,
+        "rows_completed": completed,
+        "rows_failed": by_reason.get(FinishReason.ERROR, 0),
+        "rows_cancelled": job.num_rows - stored_rows if job.cancel_requested else 0,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "padding_tokens": int(totals["padding_tokens"]),
+        "computed_tokens": int(totals["computed_tokens"]),
+        "device_seconds": round(device_seconds, 4),
+        "wall_seconds": round(wall, 4),
+        "queue_seconds": round(seconds_between(job.created_at, job.started_at or end), 4),
+        "tokens_per_second": round(total_tokens / wall, 2) if wall else 0.0,
+        "output_tokens_per_second": round(output_tokens / wall, 2) if wall else 0.0,
+        "rows_per_second": round(stored_rows / wall, 3) if wall else 0.0,
+        "device_hour_usd": settings.device_hour_usd,
+        "cost_usd": round(cost, 8),
+        "cost_per_million_tokens_usd": round(cost / total_tokens * 1e6, 6) if total_tokens else 0.0,
+        "mean_batch_size": round(totals["batch_size_sum"] / totals["steps"], 2) if totals["steps"] else 0.0,
+        "peak_kv_utilization": round(peak_kv, 4),
+        "preemptions": int(totals["preemptions"]),
+        "shards": len(shards),
+    }

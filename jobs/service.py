@@ -1,0 +1,197 @@
+"""Job operations shared by the HTTP API and the embedded `freight run`: submit (store, validate,
+shard, enqueue), read, list, cancel, results and metrics, each scoped to one tenant."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.errors import Conflict, InputError, NotFound
+from jobs.metrics import compute_metrics
+from jobs.results import write_partial_results
+from jobs.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
+from jobs.sharding import cut_shards
+from jobs.validation import validate_parquet
+from storage import job_store
+from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name
+from storage.models import Job
+from storage.settings import Settings
+from storage.shard_store import shard_indices
+from storage.status import FINAL_JOB_STATUSES, JobStatus
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None: ...
+
+
+class BrokerUnavailable(Exception):
+    pass
+
+
+class JobService:
+    def __init__(
+        self,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        blobs: BlobStore,
+        dispatcher: Dispatcher | None,
+        *,
+        allow_any_model: bool = False,  # the embedded runner loads whatever the user names
+    ) -> None:
+        self.settings = settings
+        self.sessions = session_factory
+        self.blobs = blobs
+        self.dispatcher = dispatcher
+        self.allow_any_model = allow_any_model
+
+    def resolve(self, params: JobParams) -> ResolvedParams:
+        settings = self.settings
+        model = params.model or settings.default_model
+        if not self.allow_any_model and model not in settings.accepted_models():
+            raise InputError(
+                f"unknown model {model!r}; this service serves {settings.accepted_models()}", field="model"
+            )
+        if params.max_tokens >= settings.max_model_len:
+            raise InputError(
+                f"max_tokens is {params.max_tokens}; it must be below the model context of "
+                f"{settings.max_model_len} tokens",
+                field="max_tokens",
+            )
+        quantization = params.quantization or settings.quantization
+        return ResolvedParams(
+            model=model,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=params.stop,
+            template=params.template,
+            prompt_column=params.prompt_column,
+            chat=params.chat,
+            quantization=None if quantization in (None, "none") else quantization,
+            kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
+        )
+
+    def submit(self, tenant: str, upload: BinaryIO, params: JobParams) -> JobObject:
+        resolved = self.resolve(params)
+        job_id = job_store.new_job_id()
+        name = input_name(job_id)
+        try:
+            self.blobs.write_stream(name, upload, self.settings.max_upload_bytes)
+        except UploadTooLarge as exc:
+            self.blobs.delete_job(job_id)
+            raise InputError(str(exc), status_code=413) from exc
+        with self.sessions() as session:
+            job_store.create_job(
+                session,
+                job_id=job_id,
+                tenant=tenant,
+                model=resolved.model,
+                params=resolved.model_dump(),
+                metadata=params.metadata,
+                input_name=name,
+            )
+        try:
+            validated = validate_parquet(self.blobs.path(name), resolved, self.settings.max_model_len)
+            shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
+            with self.sessions() as session:
+                job_store.queue_job(session, job_id, validated.num_rows, shards)
+        except BaseException:
+            # Bad input leaves nothing behind: no job row, no file.
+            with self.sessions() as session:
+                job_store.delete_job(session, job_id)
+            self.blobs.delete_job(job_id)
+            raise
+        if self.dispatcher is not None:
+            try:
+                self.dispatcher.dispatch(job_id, resolved.model, list(range(len(shards))))
+            except Exception as exc:
+                log.exception("could not enqueue job %s", job_id)
+                with self.sessions() as session:
+                    job_store.transition(
+                        session,
+                        job_id,
+                        JobStatus.FAILED,
+                        from_statuses=[JobStatus.QUEUED],
+                        extra={"error": f"the broker could not be reached: {exc}"},
+                    )
+                raise BrokerUnavailable(str(exc)) from exc
+        return self.get(tenant, job_id)
+
+    def _job(self, session: Session, tenant: str, job_id: str) -> Job:
+        job = job_store.get_job(session, job_id, tenant=tenant)
+        if job is None:
+            raise NotFound(f"no job {job_id!r}")
+        return job
+
+    def view(self, session: Session, job: Job) -> JobObject:
+        return JobObject(
+            id=job.id,
+            status=JobStatus(job.status),
+            model=job.model,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            request_counts=RequestCounts(**job_store.request_counts(session, job.id, job.num_rows)),
+            params=job.params,
+            metadata=job.job_metadata,
+            error=job.error,
+        )
+
+    def get(self, tenant: str, job_id: str) -> JobObject:
+        with self.sessions() as session:
+            return self.view(session, self._job(session, tenant, job_id))
+
+    def list(self, tenant: str, status: str | None, after: str | None, limit: int) -> JobList:
+        with self.sessions() as session:
+            try:
+                jobs, has_more = job_store.list_jobs(session, tenant, status=status, after=after, limit=limit)
+            except LookupError as exc:
+                raise InputError(str(exc), field="after") from exc
+            data = [self.view(session, job) for job in jobs]
+        return JobList(data=data, has_more=has_more, last_id=data[-1].id if data else None)
+
+    def events(self, tenant: str, job_id: str) -> list[JobEventOut]:
+        with self.sessions() as session:
+            self._job(session, tenant, job_id)
+            return [
+                JobEventOut(status=JobStatus(e.status), at=e.at) for e in job_store.events(session, job_id)
+            ]
+
+    def cancel(self, tenant: str, job_id: str) -> JobObject:
+        with self.sessions() as session:
+            job = self._job(session, tenant, job_id)
+            # Cancelling twice is fine; cancelling a finished (or finishing) job is a conflict.
+            if job.status != JobStatus.CANCELLING and not job_store.request_cancel(session, job_id):
+                status = job_store.job_status(session, job_id)
+                if status != JobStatus.CANCELLING:
+                    raise Conflict(f"job {job_id} is {status}; only a queued or running job can be cancelled")
+            session.refresh(job)
+            return self.view(session, job)
+
+    def results_path(self, tenant: str, job_id: str, scratch: Path) -> tuple[Path, bool]:
+        """(path, is_final): the final results file, or the rows finished so far written to `scratch`."""
+        with self.sessions() as session:
+            job = self._job(session, tenant, job_id)
+            final_name = results_name(job_id)
+            if job.status in FINAL_JOB_STATUSES and self.blobs.exists(final_name):
+                return self.blobs.path(final_name), True
+            write_partial_results(session, job_id, scratch)
+            return scratch, False
+
+    def metrics(self, tenant: str, job_id: str) -> dict:
+        with self.sessions() as session:
+            job = self._job(session, tenant, job_id)
+            if job.metrics is not None and job.status in FINAL_JOB_STATUSES:
+                return job.metrics
+            return compute_metrics(session, job, self.settings)
+
+    def shard_indices(self, job_id: str) -> list[int]:
+        with self.sessions() as session:
+            return shard_indices(session, job_id)

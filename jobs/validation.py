@@ -1,0 +1,158 @@
+"""Validate an input Parquet file: its schema from the footer, then its rows one row group (batch) at a
+time, so memory stays bounded by the batch and one small integer per row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from jobs.errors import InputError
+from jobs.prompts import PromptSource, is_string_type, resolve_source
+from jobs.schemas import OVERRIDE_COLUMNS, ResolvedParams
+
+BATCH_ROWS = 8192
+MAX_NAMED_DUPLICATES = 5
+
+
+@dataclass
+class ValidatedInput:
+    num_rows: int
+    prompt_chars: np.ndarray  # [num_rows] int64: characters in each row's prompt, for sharding
+    source: PromptSource
+    null_or_empty_rows: int  # these become error rows, not a failed job
+    override_columns: tuple[str, ...]
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    if path.stat().st_size == 0:
+        raise InputError("the file is empty", status_code=400)
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise InputError(f"not a readable Parquet file: {exc}", status_code=400) from exc
+
+
+def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> ValidatedInput:
+    parquet = open_parquet(path)
+    schema = parquet.schema_arrow
+    source = resolve_source(schema, params.template, params.prompt_column, params.chat)
+    if parquet.metadata.num_rows == 0:
+        raise InputError("the file has no rows", status_code=422)
+    overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
+    for name in overrides:
+        _check_override_type(name, schema.field(name).type)
+    has_custom_id = "custom_id" in schema.names
+    if has_custom_id and not is_string_type(schema.field("custom_id").type):
+        raise InputError(
+            f"column 'custom_id' has type {schema.field('custom_id').type}; expected string",
+            column="custom_id",
+        )
+
+    columns = list(dict.fromkeys([*source.columns, *overrides, *(["custom_id"] if has_custom_id else [])]))
+    lengths: list[np.ndarray] = []
+    seen_ids: set[str] = set()
+    duplicates: list[str] = []
+    empty_rows = 0
+    offset = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            chars = _prompt_chars(batch, source)
+            empty_rows += int(np.count_nonzero(chars == 0))
+            lengths.append(chars)
+            for name in overrides:
+                _check_override_values(name, batch.column(name), offset, params, max_model_len)
+            if has_custom_id:
+                _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
+            offset += batch.num_rows
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise InputError(
+            f"could not read the Parquet data near row {offset}: {exc}", status_code=400
+        ) from exc
+    if duplicates:
+        named = ", ".join(repr(value) for value in duplicates[:MAX_NAMED_DUPLICATES])
+        more = (
+            f" and {len(duplicates) - MAX_NAMED_DUPLICATES} more"
+            if len(duplicates) > MAX_NAMED_DUPLICATES
+            else ""
+        )
+        raise InputError(f"custom_id must be unique; repeated: {named}{more}", column="custom_id")
+    return ValidatedInput(
+        num_rows=offset,
+        prompt_chars=np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64),
+        source=source,
+        null_or_empty_rows=empty_rows,
+        override_columns=overrides,
+    )
+
+
+def _prompt_chars(batch: pa.RecordBatch, source: PromptSource) -> np.ndarray:
+    """[batch rows] int64 characters per prompt; 0 for null or empty."""
+    if source.kind == "messages":
+        column = batch.column(source.columns[0])
+        flat = pc.list_flatten(column)
+        content_chars = pc.fill_null(pc.utf8_length(pc.struct_field(flat, "content")), 0)
+        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        return np.bincount(
+            parents, weights=content_chars.to_numpy(zero_copy_only=False), minlength=batch.num_rows
+        ).astype(np.int64)
+    if source.kind == "template":
+        total = np.full(batch.num_rows, len(source.template or ""), dtype=np.int64)
+        any_null = np.zeros(batch.num_rows, dtype=bool)
+        for name in source.columns:
+            chars = pc.utf8_length(pc.cast(batch.column(name), pa.string()))
+            any_null |= pc.is_null(chars).to_numpy(zero_copy_only=False)
+            total += pc.fill_null(chars, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return np.where(any_null, 0, total)
+    text = batch.column(source.columns[0])
+    stripped = pc.utf8_trim_whitespace(text)
+    chars = pc.utf8_length(text).to_numpy(zero_copy_only=False)
+    empty = pc.fill_null(pc.equal(pc.utf8_length(stripped), 0), True).to_numpy(zero_copy_only=False)
+    return np.where(empty, 0, np.nan_to_num(chars, nan=0)).astype(np.int64)
+
+
+def _check_override_type(name: str, arrow_type: pa.DataType) -> None:
+    numeric = pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+    if name in ("max_tokens", "seed"):
+        numeric = pa.types.is_integer(arrow_type)
+    if not numeric:
+        expected = "integer" if name in ("max_tokens", "seed") else "number"
+        raise InputError(f"column {name!r} has type {arrow_type}; expected {expected}", column=name)
+
+
+def _check_override_values(
+    name: str, column: pa.Array, offset: int, params: ResolvedParams, max_model_len: int
+) -> None:
+    values = column.to_numpy(zero_copy_only=False)
+    valid = ~pc.is_null(column).to_numpy(zero_copy_only=False)
+    if name == "max_tokens":
+        bad = valid & ((values < 1) | (values >= max_model_len))
+        limit = f"between 1 and {max_model_len - 1}"
+    elif name == "temperature":
+        bad = valid & ~(values >= 0)
+        limit = ">= 0"
+    elif name == "top_p":
+        bad = valid & ~((values > 0) & (values <= 1))
+        limit = "in (0, 1]"
+    else:
+        return
+    if bad.any():
+        row = offset + int(np.argmax(bad))
+        raise InputError(
+            f"row {row}: {name} is {values[row - offset]}; it must be {limit}", row=row, column=name
+        )
+
+
+def _check_custom_ids(column: pa.Array, offset: int, seen: set[str], duplicates: list[str]) -> None:
+    if column.null_count:
+        row = offset + int(np.argmax(pc.is_null(column).to_numpy(zero_copy_only=False)))
+        raise InputError(f"row {row}: custom_id is null", row=row, column="custom_id")
+    for value in column.to_pylist():
+        if value in seen:
+            duplicates.append(value)
+        else:
+            seen.add(value)

@@ -1,0 +1,267 @@
+"""Paged attention for prefill, chunked prefill included: packed queries against cached prefix + this chunk.
+
+Sequence i's queries are rows query_start_loc[i]:query_start_loc[i+1] of `query`; seq_lens[i] counts its
+cached prefix plus this chunk, whose K/V are already in the cache. Query j of sequence i sits at position
+seq_lens[i] - q_len_i + j and attends causally to keys 0..position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels._checks import (
+    PagedCacheLayout,
+    check_attention_heads,
+    check_float_tensor,
+    check_index_tensor,
+    check_paged_cache,
+    check_same_device,
+)
+from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl, upcast_dot, use_triton
+from kernels.decode_attention import compute_dtype
+
+
+@jit
+def _paged_prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim], last dim contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float (QUANTIZED only)
+    v_scale_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    scale_log2,  # softmax scale * log2(e): the kernel uses exp2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    group_size,
+    QUANTIZED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (tile of BLOCK_M queries, query head, sequence).
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+    kv_head = head // group_size
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    q_mask = (m < q_len)[:, None] & (d < head_dim)[None, :]
+    tokens = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    q_pos = prefix_len + m  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2 of (-inf) - (-inf) would be NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys any row of this tile may see; none for tiles past the sequence's queries (their stores are masked).
+    end = tl.minimum(seq_len, prefix_len + (tile + 1) * BLOCK_M)
+    end = tl.where(tile * BLOCK_M < q_len, end, 0)
+    for start in range(0, end, BLOCK_N):
+        pos = start + n
+        valid = pos < end
+        block_ids = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=valid, other=0)
+        slots = block_ids.to(tl.int64) * block_size + pos % block_size  # [BLOCK_N]
+        kv_offsets = (slots[:, None] * num_kv_heads + kv_head) * head_dim + d[None, :]
+        kv_mask = valid[:, None] & (d < head_dim)[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # int8 is exact in bf16
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+        if QUANTIZED:
+            k_scale = tl.load(k_scale_ptr + slots * num_kv_heads + kv_head, mask=valid, other=0.0).to(
+                tl.float32
+            )
+            scores = scores * k_scale[None, :]
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + slots * num_kv_heads + kv_head, mask=valid, other=0.0).to(
+                tl.float32
+            )
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only in rows past q_len, never stored
+    out_offsets = tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check_prefill_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+) -> tuple[PagedCacheLayout, int]:
+    layout = check_paged_cache(key_cache, value_cache, k_scale_cache, v_scale_cache)
+    check_float_tensor("query", query, 3)
+    group = check_attention_heads(query, layout)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check_index_tensor("seq_lens", seq_lens, torch.int32, (num_seqs,))
+    check_index_tensor("query_start_loc", query_start_loc, torch.int32, (num_seqs + 1,))
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    check_index_tensor("block_tables", block_tables, torch.int32, tuple(block_tables.shape))
+    check_same_device(
+        query=query, cache=key_cache, block_tables=block_tables, starts=query_start_loc, lens=seq_lens
+    )
+    return layout, group
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    layout, group = _check_prefill_args(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, k_scale_cache, v_scale_cache
+    )
+    require_triton_device(query, key_cache)
+    out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if query.shape[0] == 0 or num_seqs == 0:
+        return out
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one device sync per call
+    grid = (cdiv(max_q_len, block_m), query.shape[1], num_seqs)
+    _paged_prefill_kernel[grid](
+        out, query, key_cache, value_cache,
+        k_scale_cache if layout.quantized else key_cache, v_scale_cache if layout.quantized else value_cache,
+        block_tables, query_start_loc, seq_lens, scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        layout.num_kv_heads, layout.head_dim, layout.block_size, group,
+        QUANTIZED=layout.quantized,
+        UPCAST_DOT=upcast_dot(query.dtype),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast_dot(query.dtype) else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_D=max(16, next_power_of_2(layout.head_dim)),
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
+def _read_sequence(
+    cache: torch.Tensor,
+    scale_cache: torch.Tensor | None,
+    block_ids: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The first `length` slots of one sequence: [kv_heads, length, head_dim] in `dtype` (a strided view)."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:length]
+    if scale_cache is not None:
+        scales = scale_cache.view(scale_cache.shape[0], -1).index_select(0, block_ids).view(-1, num_kv_heads)
+        rows = rows.float() * scales[:length, :, None]
+    return rows.to(dtype).transpose(0, 1)
+
+
+def paged_prefill_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel)."""
+    layout, group = _check_prefill_args(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, k_scale_cache, v_scale_cache
+    )
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    dtype = compute_dtype(query.dtype, key_cache.dtype)
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = cdiv(seq_len, layout.block_size)
+        if q_len > seq_len or num_blocks > block_tables.shape[1]:
+            raise ValueError(
+                f"sequence {seq}: {q_len} queries but seq_lens = {seq_len} with {block_tables.shape[1]} blocks"
+            )
+        block_ids = block_tables[seq, :num_blocks]
+        keys = _read_sequence(key_cache, k_scale_cache, block_ids, seq_len, dtype)  # [kv_heads, seq_len, D]
+        values = _read_sequence(value_cache, v_scale_cache, block_ids, seq_len, dtype)
+        q = query[q_start:q_end].transpose(0, 1).to(dtype)  # [num_heads, q_len, D]
+        if q_len == seq_len:
+            mask, causal = None, True
+        else:  # a cached prefix: query j sits at position seq_len - q_len + j
+            positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask, causal = torch.arange(seq_len, device=query.device) <= positions[:, None], False
+        attended = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
+        )  # fmt: skip
+        out[q_start:q_end] = attended[0].transpose(0, 1)  # cast back to the query dtype
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] packed -> out [num_tokens, num_heads, head_dim] in query dtype.
+
+    query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32 (cached prefix + this chunk);
+    block_tables [num_seqs, max_blocks] int32. Caches as in write_kv_cache.
+    """
+    attend = paged_prefill_attention_triton if use_triton(query) else paged_prefill_attention_torch
+    return attend(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        k_scale_cache,
+        v_scale_cache,
+    )

@@ -1,0 +1,215 @@
+"""Time the kernels at realistic shapes and print one JSON document.
+
+  python scripts/kernel_bench.py --device cuda [--out DIR]   # each Triton kernel vs the torch path on CUDA
+  python scripts/kernel_bench.py --device cpu [--out DIR]    # the CPU paths: decode chunk sizes, W8A8 vs bf16
+
+Every case runs in its own try block: a failure is recorded in the JSON and the rest still run.
+Times are medians in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.decode_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
+from kernels.int8_linear import int8_linear_torch, int8_linear_triton, quantize_weight_per_channel  # noqa: E402
+from kernels.kv_cache import write_kv_cache_torch, write_kv_cache_triton  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention_torch, paged_prefill_attention_triton  # noqa: E402
+
+# (name, num_heads, num_kv_heads, head_dim): the default model, and a Llama-3-8B-sized layer.
+MODELS = [("smollm2-135m", 9, 3, 64), ("llama-8b", 32, 8, 128)]
+BLOCK_SIZE = 16
+
+
+def models_for(device: str) -> list[tuple[str, int, int, int]]:
+    return MODELS if device == "cuda" else MODELS[:1]  # the CPU serves the small model
+
+
+def time_ms(device: str, reps: int, fn: Callable[..., object], *args: object, **kwargs: object) -> float:
+    """Median milliseconds of fn(*args, **kwargs): triton's do_bench on CUDA, `reps` timed calls on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median"))
+    fn(*args, **kwargs)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def paged_cache(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+    """Random caches with shuffled blocks: (key_cache, value_cache, k_scale, v_scale, block_tables)."""
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = sum(blocks)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    if dtype == torch.int8:
+        caches = [torch.randint(-127, 128, shape, dtype=torch.int8, device=device) for _ in range(2)]
+        scales = [torch.rand(shape[:3], device=device) * 0.02 for _ in range(2)]
+    else:
+        caches = [torch.randn(shape, device=device).to(dtype) for _ in range(2)]
+        scales = [None, None]
+    ids = torch.randperm(num_blocks, device=device).int()
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = ids[start : start + count]
+        start += count
+    return (*caches, *scales, tables)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def decode_cases(device: str, quick: bool) -> list[dict]:
+    cases = []
+    for name, heads, kv_heads, head_dim in models_for(device):
+        batch, ctx = (256, 600) if name == "smollm2-135m" else (64, 2048)
+        for cache_dtype in (torch.int8, torch.bfloat16):
+            gen = torch.Generator().manual_seed(0)
+            lens = torch.randint(ctx - 100, ctx + 101, (batch,), generator=gen).tolist()
+            cache = paged_cache(lens, kv_heads, head_dim, cache_dtype, device)
+            query = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+            context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            args = (query, cache[0], cache[1], cache[4], context_lens, 0.125, cache[2], cache[3])
+            case = dict(
+                op="decode", model=name, batch=batch, mean_ctx=sum(lens) / batch, cache=str(cache_dtype)
+            )
+            if device == "cuda":
+                case["triton_ms"] = time_ms(device, 0, paged_decode_attention_triton, *args)
+                case["torch_ms"] = time_ms(device, 0, paged_decode_attention_torch, *args)
+                bytes_read = sum(lens) * kv_heads * head_dim * 2 * cache_dtype.itemsize
+                case["triton_GBps"] = bytes_read / case["triton_ms"] / 1e6
+                outputs = paged_decode_attention_triton(*args), paged_decode_attention_torch(*args)
+                case["max_abs_diff"] = max_diff(*outputs)
+            else:  # the CPU path's one tuning knob: how many sequences share a gather
+                for chunk in (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 40):
+                    case[f"torch_ms_chunk_{chunk}"] = time_ms(
+                        device, 5 if quick else 15, paged_decode_attention_torch, *args, chunk_elements=chunk
+                    )
+            cases.append(case)
+    return cases
+
+
+def prefill_cases(device: str, quick: bool) -> list[dict]:
+    cases = []
+    shapes = (("8x512", [512] * 8, [512] * 8), ("4x256-after-768", [256] * 4, [1024] * 4))
+    for name, heads, kv_heads, head_dim in models_for(device):
+        for label, q_lens, seq_lens in shapes:
+            cache = paged_cache(seq_lens, kv_heads, head_dim, torch.int8, device)
+            query = torch.randn(sum(q_lens), heads, head_dim, device=device, dtype=torch.bfloat16)
+            ends = torch.tensor(q_lens).cumsum(0).tolist()
+            starts = torch.tensor([0, *ends], dtype=torch.int32, device=device)
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+            args = (query, cache[0], cache[1], cache[4], starts, lens, 0.125, cache[2], cache[3])
+            case = dict(op="prefill", model=name, shape=label, cache="torch.int8")
+            case["torch_ms"] = time_ms(device, 3 if quick else 7, paged_prefill_attention_torch, *args)
+            if device == "cuda":
+                case["triton_ms"] = time_ms(device, 0, paged_prefill_attention_triton, *args)
+                outputs = paged_prefill_attention_triton(*args), paged_prefill_attention_torch(*args)
+                case["max_abs_diff"] = max_diff(*outputs)
+            cases.append(case)
+    return cases
+
+
+def write_cases(device: str, quick: bool) -> list[dict]:
+    cases = []
+    for name, _, kv_heads, head_dim in models_for(device):
+        for tokens in (256, 4096):
+            num_blocks = 2 * tokens // BLOCK_SIZE
+            shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+            key = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+            value = torch.randn_like(key)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:tokens]
+            caches = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
+            scales = [torch.zeros(shape[:3], device=device) for _ in range(2)]
+            args = (key, value, caches[0], caches[1], slots, scales[0], scales[1])
+            case = dict(op="write_kv_cache", model=name, tokens=tokens, cache="torch.int8")
+            case["torch_ms"] = time_ms(device, 5 if quick else 20, write_kv_cache_torch, *args)
+            if device == "cuda":
+                case["triton_ms"] = time_ms(device, 0, write_kv_cache_triton, *args)
+            cases.append(case)
+    return cases
+
+
+def linear_cases(device: str, quick: bool) -> list[dict]:
+    cases = []
+    reps = 5 if quick else 20
+    shapes = [(576, 1536), (1536, 576)] + ([(4096, 14336)] if device == "cuda" else [])
+    for K, N in shapes:
+        w = torch.randn(N, K, device=device)
+        w_bf16 = w.bfloat16()
+        w_q, w_scale = quantize_weight_per_channel(w)  # [N, K]: pass w_q.t()
+        for M in (32, 256, 1024) + ((4096,) if device == "cuda" else ()):
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            case = dict(op="int8_linear", M=M, K=K, N=N)
+            case["bf16_matmul_ms"] = time_ms(device, reps, torch.matmul, x, w_bf16.t())
+            case["int8_torch_ms"] = time_ms(device, reps, int8_linear_torch, x, w_q.t(), w_scale)
+            if device == "cpu":
+                w_kn = w_q.t().contiguous()  # the other weight layout
+                case["int8_torch_ms_weight_KN_contiguous"] = time_ms(
+                    device, reps, int8_linear_torch, x, w_kn, w_scale
+                )
+            else:
+                case["int8_triton_ms"] = time_ms(device, 0, int8_linear_triton, x, w_q.t(), w_scale)
+                case["max_abs_diff"] = max_diff(int8_linear_triton(x, w_q.t(), w_scale), x @ w_bf16.t())
+            best_int8 = min(v for k, v in case.items() if k.startswith("int8_") and "_ms" in k)
+            case["speedup_vs_bf16"] = case["bf16_matmul_ms"] / best_int8
+            cases.append(case)
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--out", type=Path, help="directory for kernel_bench_<device>.json")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--ops", default="decode,prefill,write,linear")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report: dict = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "cases": [],
+        "errors": [],
+    }
+    suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases)
+    for op in args.ops.split(","):
+        try:
+            report["cases"].extend(suites[op](args.device, args.quick))
+        except Exception:  # keep going: the other suites still tell something
+            report["errors"].append({"op": op, "error": traceback.format_exc()})
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"kernel_bench_{args.device}.json").write_text(text)
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

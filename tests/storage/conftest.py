@@ -1,0 +1,1 @@
+from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture

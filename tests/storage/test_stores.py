@@ -1,0 +1,162 @@
+"""Job, shard and result stores on real Postgres: leases, exactly-once transitions, deduplicated rows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import job_store
+from storage.db import make_engine, make_session_factory
+from storage.result_store import insert_results, iter_results, stored_row_indices, token_sums
+from storage.shard_store import (
+    Claim,
+    claim_shard,
+    finish_shard,
+    get_shard,
+    release_shard,
+    renew_lease,
+    unfinished_shards,
+)
+from storage.status import JobStatus, ShardStatus
+
+
+@pytest.fixture
+def sessions(pg_url: str) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(pg_url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def _queued_job(sessions: sessionmaker[Session], shards: list[list[int]]) -> str:
+    job_id = job_store.new_job_id()
+    with sessions() as session:
+        job_store.create_job(
+            session,
+            job_id=job_id,
+            tenant="t",
+            model="m",
+            params={},
+            metadata={},
+            input_name=f"jobs/{job_id}/input.parquet",
+        )
+        assert job_store.queue_job(session, job_id, sum(map(len, shards)), shards)
+    return job_id
+
+
+def _row(job_id: str, index: int, tokens: int = 3) -> dict:
+    return {
+        "job_id": job_id,
+        "row_index": index,
+        "custom_id": f"id-{index}",
+        "output_text": f"out {index}",
+        "prompt_tokens": tokens,
+        "output_tokens": 2 * tokens,
+        "finish_reason": "stop",
+        "error": None,
+        "shard_index": 0,
+    }
+
+
+def test_a_held_lease_keeps_other_owners_out_until_it_lapses(sessions: sessionmaker[Session]) -> None:
+    job_id = _queued_job(sessions, [[0, 1], [2]])
+    with sessions() as session:
+        assert claim_shard(session, job_id, 0, "worker-a", lease_seconds=60) == Claim.CLAIMED
+        assert claim_shard(session, job_id, 0, "worker-b", lease_seconds=60) == Claim.HELD
+        assert renew_lease(session, job_id, 0, "worker-a", lease_seconds=0.2)
+        assert not renew_lease(session, job_id, 0, "worker-b", lease_seconds=60)
+        time.sleep(0.3)
+        # The lease lapsed (its owner died): another worker takes the shard over; the old owner lost it.
+        assert claim_shard(session, job_id, 0, "worker-b", lease_seconds=60) == Claim.CLAIMED
+        assert not renew_lease(session, job_id, 0, "worker-a", lease_seconds=60)
+        assert not finish_shard(session, job_id, 0, "worker-a", ShardStatus.DONE, None)
+        assert finish_shard(session, job_id, 0, "worker-b", ShardStatus.DONE, {"engine": {}})
+        assert claim_shard(session, job_id, 0, "worker-c", lease_seconds=60) == Claim.FINISHED
+        assert claim_shard(session, job_id, 7, "worker-c", lease_seconds=60) == Claim.MISSING
+
+        assert claim_shard(session, job_id, 1, "worker-a", lease_seconds=60) == Claim.CLAIMED
+        assert release_shard(session, job_id, 1, "worker-a", "boom")
+        assert unfinished_shards(session, job_id) == 1
+        assert claim_shard(session, job_id, 1, "worker-b", lease_seconds=60) == Claim.CLAIMED
+        shard = get_shard(session, job_id, 1)
+        session.refresh(shard)
+        assert (shard.attempts, shard.owner, shard.error) == (2, "worker-b", "boom")
+
+
+def test_concurrent_claims_and_transitions_have_exactly_one_winner(sessions: sessionmaker[Session]) -> None:
+    job_id = _queued_job(sessions, [[0]])
+
+    def claim(owner: str) -> Claim:
+        with sessions() as session:
+            return claim_shard(session, job_id, 0, owner, lease_seconds=60)
+
+    def finalize(_: int) -> bool:
+        with sessions() as session:
+            return job_store.transition(
+                session, job_id, JobStatus.FINALIZING, from_statuses=[JobStatus.QUEUED, JobStatus.IN_PROGRESS]
+            )
+
+    with ThreadPoolExecutor(8) as pool:
+        claims = list(pool.map(claim, [f"w{i}" for i in range(8)]))
+        wins = list(pool.map(finalize, range(8)))
+    assert claims.count(Claim.CLAIMED) == 1 and claims.count(Claim.HELD) == 7
+    assert wins.count(True) == 1
+    with sessions() as session:
+        statuses = [event.status for event in job_store.events(session, job_id)]
+    assert statuses == [JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.FINALIZING]
+
+
+def test_result_inserts_skip_rows_already_stored(sessions: sessionmaker[Session]) -> None:
+    job_id = _queued_job(sessions, [list(range(10))])
+    with sessions() as session:
+        insert_results(session, [_row(job_id, i) for i in (0, 1, 2)])
+        # A re-run shard sends rows 1 and 2 again (with different text): the first stored copy stays.
+        insert_results(session, [{**_row(job_id, i), "output_text": "again"} for i in (1, 2, 3)])
+        assert stored_row_indices(session, job_id, list(range(10))) == {0, 1, 2, 3}
+        assert token_sums(session, job_id) == (4, 12, 24)
+        rows = [row for batch in iter_results(session, job_id, batch_rows=3) for row in batch]
+        assert [row.row_index for row in rows] == [0, 1, 2, 3]
+        assert [row.output_text for row in rows] == ["out 0", "out 1", "out 2", "again"]
+        counts = job_store.request_counts(session, job_id, total=10)
+        assert counts == {"total": 10, "completed": 4, "failed": 0}
+
+
+def test_cancel_is_accepted_only_before_the_job_finishes(sessions: sessionmaker[Session]) -> None:
+    job_id = _queued_job(sessions, [[0]])
+    with sessions() as session:
+        assert job_store.request_cancel(session, job_id)
+        assert not job_store.request_cancel(session, job_id)  # already cancelling
+        assert job_store.get_job(session, job_id).cancel_requested
+        assert job_store.transition(
+            session, job_id, JobStatus.FINALIZING, from_statuses=[JobStatus.CANCELLING]
+        )
+        assert job_store.transition(
+            session, job_id, JobStatus.CANCELLED, from_statuses=[JobStatus.FINALIZING]
+        )
+        assert not job_store.request_cancel(session, job_id)
+        job = job_store.get_job(session, job_id)
+        session.refresh(job)
+        assert job.status == JobStatus.CANCELLED and job.finished_at is not None
+
+
+def test_listing_pages_newest_first_per_tenant(sessions: sessionmaker[Session]) -> None:
+    tenant = f"pager-{time.monotonic_ns()}"
+    ids = []
+    with sessions() as session:
+        for _ in range(5):
+            job_id = job_store.new_job_id()
+            job_store.create_job(
+                session, job_id=job_id, tenant=tenant, model="m", params={}, metadata={}, input_name="x"
+            )
+            ids.append(job_id)
+        first, more = job_store.list_jobs(session, tenant, limit=2)
+        second, more2 = job_store.list_jobs(session, tenant, limit=2, after=first[-1].id)
+        third, more3 = job_store.list_jobs(session, tenant, limit=2, after=second[-1].id)
+        assert [j.id for j in first + second + third] == ids[::-1]
+        assert (more, more2, more3) == (True, True, False)
+        assert job_store.list_jobs(session, "someone-else", limit=10) == ([], False)
+        with pytest.raises(LookupError):
+            job_store.list_jobs(session, "someone-else", after=ids[0])

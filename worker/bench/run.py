@@ -1,0 +1,232 @@
+"""`freight bench`: one ShareGPT workload through transformers and Freight, in the same run.
+
+transformers runs static padded batches (file order, left padding, EOS suppressed through
+min_new_tokens); Freight runs the whole workload through `LLM.generate` (continuous batching),
+once in bf16 and once with int8 weights and KV cache. Model load is timed apart from generation.
+Prints one JSON line per system, then one line of ratios against the baseline (transformers when
+it ran, else the first system). Compare systems within one run: the machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from worker.bench.sharegpt import DEFAULT_START, Workload, build_workload
+
+TRANSFORMERS = "transformers"
+# Engine options per Freight system; the shared ones come from the command line.
+FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "freight-bf16": MappingProxyType({"quantization": None, "kv_cache_dtype": "auto"}),
+        "freight-int8": MappingProxyType({"quantization": "int8", "kv_cache_dtype": "int8"}),
+    }
+)
+SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS)
+
+
+@dataclass
+class SystemResult:
+    system: str
+    prompt_tokens: int
+    output_token_ids: list[list[int]]  # per request, workload order
+    elapsed_s: float  # generation only
+    load_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_token_ids)
+
+    def as_dict(self) -> dict[str, Any]:
+        requests, elapsed = len(self.output_token_ids), max(self.elapsed_s, 1e-9)
+        return {
+            "system": self.system,
+            "requests": requests,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "requests_per_s": round(requests / elapsed, 4),
+            "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / elapsed, 2),
+            "output_tokens_per_s": round(self.output_tokens / elapsed, 2),
+            "load_s": round(self.load_s, 3),
+            **self.extra,
+        }
+
+
+def run_transformers(model_path: Path, workload: Workload, batch_size: int, dtype: str) -> SystemResult:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    load_s = time.perf_counter() - started
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    outputs: list[list[int]] = []
+    padded_positions = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(workload), batch_size):
+            batch = workload.prompt_token_ids[first : first + batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [batch, width]
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, ids in enumerate(batch):  # left padding: every prompt ends at the last column
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                attention_mask[row, width - len(ids) :] = 1
+            padded_positions += len(batch) * width
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=workload.output_len,
+                min_new_tokens=workload.output_len,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            outputs += generated[:, width:].tolist()
+    elapsed = time.perf_counter() - started
+    extra = {"batch_size": batch_size, "padded_prompt_positions": padded_positions}
+    return SystemResult(TRANSFORMERS, workload.prompt_tokens, outputs, elapsed, load_s, extra)
+
+
+def run_freight(
+    system: str, model_path: Path, workload: Workload, engine_options: dict[str, Any]
+) -> SystemResult:
+    from worker.engine import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=str(model_path), **engine_options, **FREIGHT_SYSTEMS[system])
+    load_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+
+    started = time.perf_counter()
+    outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    outputs = [list(out.output_token_ids) for out in outs]
+    extra = {"engine_stats": llm.stats.as_dict()}
+    return SystemResult(system, workload.prompt_tokens, outputs, elapsed, load_s, extra)
+
+
+def prefix_agreement(outputs: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
+    """Mean share of each output that matches the reference up to the first differing token."""
+    shares = []
+    for ours, theirs in zip(outputs, reference, strict=True):
+        same = 0
+        for a, b in zip(ours, theirs, strict=False):
+            if a != b:
+                break
+            same += 1
+        shares.append(same / max(len(theirs), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
+def comparison(results: list[SystemResult], workload: Workload) -> dict[str, Any]:
+    baseline = next((r for r in results if r.system == TRANSFORMERS), results[0])
+    base = baseline.as_dict()
+    ratios, agreement = {}, {}
+    for result in results:
+        if result is baseline:
+            continue
+        row = result.as_dict()
+        ratios[result.system] = {
+            key: round(row[key] / max(base[key], 1e-9), 3)
+            for key in ("total_tokens_per_s", "output_tokens_per_s", "requests_per_s")
+        }
+        agreement[result.system] = round(
+            prefix_agreement(result.output_token_ids, baseline.output_token_ids), 4
+        )
+    return {
+        "ratios_vs": baseline.system,
+        "ratios": ratios,
+        "greedy_prefix_agreement": agreement,
+        "workload": workload.describe(),
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="freight bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=256, help="requests")
+    parser.add_argument("--start", type=int, default=DEFAULT_START, help="first ShareGPT file index")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-prompt-len", type=int, default=1024)
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf file")
+    parser.add_argument("--cache-dir", default=None, help="models cache (default $FREIGHT_HOME/models)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--batch-size", type=int, default=32, help="transformers static batch size")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    parser.add_argument("--scheduling", default="length", choices=("length", "fifo"))
+    parser.add_argument("--json-out", default=None, help="also write the JSON lines here")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown or not args.systems:
+        parser.error(f"--systems must name some of {', '.join(SYSTEMS)}; got {args.systems}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from worker.engine.loader import resolve_model_path
+
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    model_path = resolve_model_path(args.model, Path(args.cache_dir) if args.cache_dir else None)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    workload = build_workload(tokenizer, args.start, args.n, args.max_prompt_len, args.output_len)
+    engine_options = {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "scheduling": args.scheduling,
+        "num_threads": threads,
+    }
+
+    lines: list[str] = []
+
+    def emit(record: dict[str, Any]) -> None:
+        lines.append(json.dumps(record))
+        print(lines[-1], flush=True)
+
+    results: list[SystemResult] = []
+    for system in args.systems:
+        if system == TRANSFORMERS:
+            result = run_transformers(model_path, workload, args.batch_size, args.dtype)
+        else:
+            result = run_freight(system, model_path, workload, engine_options)
+        short = [i for i, ids in enumerate(result.output_token_ids) if len(ids) != workload.output_len]
+        if short:
+            raise RuntimeError(
+                f"{system}: {len(short)} requests did not produce {workload.output_len} tokens"
+            )
+        results.append(result)
+        emit({**result.as_dict(), "threads": threads})
+        gc.collect()  # let the previous system's weights and KV pool go before the next loads
+    emit(comparison(results, workload))
+
+    if args.json_out:
+        Path(args.json_out).write_text("\n".join(lines) + "\n")
+    return 0

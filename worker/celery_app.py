@@ -1,0 +1,70 @@
+"""The Celery app a `freight worker` process runs: one queue (its model's), events on, prefetch 1,
+late acks, and the model loaded once when the process starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from celery import Celery
+
+from jobs.broker import celery_config, queue_for_model
+from storage.blobs import BlobStore
+from storage.db import make_engine, make_session_factory
+from storage.settings import Settings
+from worker.llm_pool import LLMPool
+from worker.shard_runner import WorkerContext
+from worker.tasks import register_tasks
+
+log = logging.getLogger(__name__)
+POOLS = ("threads", "solo")
+
+
+def make_worker_app(settings: Settings, model: str) -> tuple[Celery, LLMPool]:
+    app = Celery("freight", set_as_current=True)
+    app.conf.update(celery_config(settings))
+    ctx = WorkerContext(
+        settings=settings,
+        sessions=make_session_factory(make_engine(settings.resolved_database_url)),
+        blobs=BlobStore(settings.resolved_data_dir),
+    )
+    pool = LLMPool(settings)
+    register_tasks(app, ctx, pool)
+    app.conf.task_default_queue = queue_for_model(settings, model)
+    return app, pool
+
+
+def run_worker(
+    settings: Settings,
+    model: str,
+    *,
+    pool: str = "threads",
+    concurrency: int = 1,
+    loglevel: str = "INFO",
+    hostname: str | None = None,
+    preload: bool = True,
+) -> None:
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}: the model is loaded once per process")
+    app, llm_pool = make_worker_app(settings, model)
+    if preload:
+        # Load before consuming, so the first shard does not pay for it and a bad model fails fast.
+        llm_pool.load(llm_pool.default_key(model))
+    queue = queue_for_model(settings, model)
+    name = hostname or f"freight-{os.getpid()}@{socket.gethostname()}"
+    log.info("consuming %s as %s", queue, name)
+    app.worker_main(
+        [
+            "worker",
+            f"--queues={queue}",
+            f"--pool={pool}",
+            f"--concurrency={concurrency}",
+            f"--loglevel={loglevel}",
+            f"--hostname={name}",
+            "--prefetch-multiplier=1",
+            "--task-events",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )

@@ -1,0 +1,49 @@
+"""A shard's share of the engine's cumulative stats: counters before and after, and the timeline
+samples taken while it ran (thinned to a bounded number of points)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine import EngineStats
+
+COUNTERS = (
+    "steps",
+    "prompt_tokens",
+    "output_tokens",
+    "computed_tokens",
+    "padding_tokens",
+    "preemptions",
+    "batch_size_sum",
+    "busy_seconds",
+)
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    counters: dict[str, float]
+    last_t: float  # time of the newest timeline sample before the shard started
+
+
+def snapshot(stats: EngineStats) -> StatsSnapshot:
+    last_t = stats.timeline[-1]["t"] if stats.timeline else float("-inf")
+    return StatsSnapshot({name: getattr(stats, name) for name in COUNTERS}, last_t)
+
+
+def shard_stats(before: StatsSnapshot, after: EngineStats, max_points: int) -> dict[str, Any]:
+    engine: dict[str, Any] = {name: getattr(after, name) - before.counters[name] for name in COUNTERS}
+    engine["busy_seconds"] = round(engine["busy_seconds"], 4)
+    timeline = [dict(point) for point in after.timeline if point["t"] > before.last_t]
+    if after.num_kv_blocks and timeline:
+        engine["peak_kv_utilization"] = round(
+            max(p["kv_blocks_used"] for p in timeline) / after.num_kv_blocks, 4
+        )
+    else:
+        # No sample fell inside this shard (a very short one): the engine's lifetime peak bounds it.
+        engine["peak_kv_utilization"] = round(after.peak_kv_utilization, 4)
+    engine["num_kv_blocks"] = after.num_kv_blocks
+    if len(timeline) > max_points:
+        stride = -(-len(timeline) // max_points)
+        timeline = timeline[::stride]
+    return {"engine": engine, "timeline": timeline}

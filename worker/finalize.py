@@ -1,0 +1,51 @@
+"""Finalize a job: write the results Parquet and the metrics JSON, then set the final status. It is
+idempotent (files are replaced atomically) and the status moves exactly once, so a redelivered or
+duplicated finalize is harmless."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from jobs.metrics import compute_metrics
+from jobs.results import write_final_results
+from storage import job_store
+from storage.blobs import metrics_name, results_name
+from storage.models import utcnow
+from storage.status import JobStatus
+from worker.shard_runner import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+def finalize_job(ctx: WorkerContext, job_id: str) -> str | None:
+    """Returns the job's status afterwards (None for an unknown job)."""
+    with ctx.sessions() as session:
+        job = job_store.get_job(session, job_id)
+        if job is None or job.status != JobStatus.FINALIZING:
+            return job.status if job is not None else None
+        try:
+            with ctx.blobs.atomic_path(results_name(job_id)) as temp:
+                write_final_results(session, job, ctx.blobs.path(job.input_name), temp)
+            finished_at = utcnow()
+            metrics = compute_metrics(session, job, ctx.settings, finished_at=finished_at)
+            ctx.blobs.write_text(metrics_name(job_id), json.dumps(metrics, indent=2))
+            final = JobStatus.CANCELLED if job.cancel_requested else JobStatus.COMPLETED
+            job_store.transition(
+                session,
+                job_id,
+                final,
+                from_statuses=[JobStatus.FINALIZING],
+                extra={"metrics": metrics, "finished_at": finished_at},
+            )
+        except Exception as exc:
+            log.exception("finalizing %s failed", job_id)
+            session.rollback()
+            job_store.transition(
+                session,
+                job_id,
+                JobStatus.FAILED,
+                from_statuses=[JobStatus.FINALIZING],
+                extra={"error": f"finalize failed: {exc.__class__.__name__}: {exc}"},
+            )
+        return job_store.job_status(session, job_id)

@@ -1,0 +1,58 @@
+"""The worker's loaded model: built once per process and kept for every shard that asks for the same
+engine configuration (a different quantization or KV dtype replaces it)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from jobs.schemas import ResolvedParams
+from storage.settings import Settings
+from worker.engine import LLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    model: str
+    quantization: str | None
+    kv_cache_dtype: str
+
+
+class LLMPool:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()  # one shard at a time uses the engine (threads pool)
+        self._key: EngineKey | None = None
+        self._llm: LLM | None = None
+
+    def get(self, params: ResolvedParams) -> LLM:
+        return self.load(EngineKey(params.model, params.quantization, params.kv_cache_dtype))
+
+    def load(self, key: EngineKey) -> LLM:
+        if self._llm is not None and self._key == key:
+            return self._llm
+        self._llm = None  # free the old engine before building the next one
+        settings = self.settings
+        started = time.monotonic()
+        self._llm = LLM(
+            model=key.model,
+            dtype=settings.dtype,
+            quantization=key.quantization,
+            kv_cache_dtype=key.kv_cache_dtype,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            kv_cache_memory_gb=settings.kv_cache_memory_gb,
+            num_threads=settings.num_threads,
+            cache_dir=str(settings.models_dir),
+        )
+        self._key = key
+        log.info("loaded %s in %.1fs", key, time.monotonic() - started)
+        return self._llm
+
+    def default_key(self, model: str) -> EngineKey:
+        return EngineKey(model, self.settings.quantization, self.settings.kv_cache_dtype)

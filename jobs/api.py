@@ -12,16 +12,21 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
 
 from jobs.broker import CeleryDispatcher
 from jobs.errors import Conflict, InputError, NotFound
+from jobs.prometheus import install_metrics
+from jobs.recovery import start_recovery
+from jobs.report import job_report_html
 from jobs.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams
 from jobs.service import BrokerUnavailable, JobService
+from jobs.upload_limit import UploadLimit
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
 from storage.keys import tenant_for_key
@@ -44,7 +49,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.service = JobService(
             settings, make_session_factory(engine), BlobStore(settings.resolved_data_dir), dispatcher
         )
+        recovery = None
+        if dispatcher is not None:
+            service = app.state.service
+            recovery = start_recovery(settings, service.sessions, service.blobs, dispatcher)
         yield
+        if recovery is not None:
+            thread, stop, sweeper = recovery
+            stop.set()
+            thread.join(10)
+            sweeper.close()
         engine.dispose()
 
     app = FastAPI(
@@ -55,6 +69,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     _add_error_handlers(app)
     _add_routes(app, settings)
+    install_metrics(app)
+    app.add_middleware(UploadLimit, max_upload_bytes=settings.max_upload_bytes)
     return app
 
 
@@ -95,6 +111,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BrokerUnavailable)
     async def broker_down(_request: Request, exc: BrokerUnavailable) -> JSONResponse:
         return JSONResponse({"error": {"message": f"the job queue is unavailable: {exc}"}}, status_code=503)
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
+        # A dropped or refused database connection: nothing was half-done; ask the client to retry.
+        return JSONResponse(
+            {"error": {"message": f"the database is unavailable: {exc.orig.__class__.__name__}"}},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
 
 def _parse_params(raw: str) -> JobParams:
@@ -203,3 +228,8 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, tags=["jobs"])
     def job_metrics(job_id: str, tenant: Tenant, service: Service) -> dict:
         return service.metrics(tenant, job_id)
+
+    @app.get("/v1/jobs/{job_id}/report", tags=["jobs"], response_class=HTMLResponse)
+    def job_report(job_id: str, tenant: Tenant, service: Service) -> HTMLResponse:
+        """One self-contained HTML page: parameters, status, cost table and plots."""
+        return HTMLResponse(job_report_html(service, tenant, job_id))

@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jobs import cli_admin, cli_local, cli_remote
+from jobs import cli_admin, cli_local, cli_remote, cli_summarize
 from jobs.errors import InputError
 
 
@@ -31,6 +31,12 @@ def add_job_param_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="job metadata (repeatable)")
     group.add_argument("--quantization", choices=["int8", "none"])
     group.add_argument("--kv-cache-dtype", choices=["int8", "auto", "bfloat16", "float16", "float32"])
+    summarize = parser.add_argument_group("summarize task (--task summarize; see `freight summarize`)")
+    summarize.add_argument("--task", choices=["generate", "summarize"])
+    summarize.add_argument("--column", help="the document column (default: text)")
+    summarize.add_argument("--style", help='how the summary reads (default: "one paragraph")')
+    summarize.add_argument("--long-documents", choices=["map_reduce", "truncate"])
+    summarize.add_argument("--id-column", help="input column kept in the output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--rows", type=int, help="number of rows (documents repeat past the shipped set)")
     sample.set_defaults(handler=cli_local.cmd_sample_docs)
 
+    cli_summarize.add_commands(commands)
     cli_remote.add_commands(commands, add_job_param_args)
     cli_admin.add_commands(commands)
     return parser

@@ -41,6 +41,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     worker.add_argument("--hostname", help="Celery node name (default: freight-<pid>@<host>)")
     worker.add_argument("--loglevel", default="INFO")
     worker.add_argument("--no-preload", action="store_true", help="load the model on the first shard")
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (default: FREIGHT_WORKER_METRICS_PORT)",
+    )
     worker.set_defaults(handler=cmd_worker)
 
     flower = commands.add_parser("flower", help="run Flower against the broker the workers use")
@@ -151,6 +156,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
+    if args.metrics_port is not None:
+        settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
     run_worker(
         settings,
         args.model or settings.default_model,

@@ -10,12 +10,15 @@ from typing import Any
 
 from jobs.cli_params import params_from_args
 from jobs.sample_docs import SUMMARIZE_TEMPLATE, write_sample_docs
+from jobs.schemas import JobParams
 from storage.settings import Settings
 
 
 def cmd_sample_docs(args: argparse.Namespace) -> int:
     path = write_sample_docs(Path(args.output), args.rows)
     print(f"wrote {path} (columns custom_id, title, text); summarize it with:")
+    print(f"  freight summarize {path} --column text -o summaries.parquet --max-tokens 128")
+    print("or prompt the model yourself:")
     print(
         f'  freight run {path} -o summaries.parquet --max-tokens 64 --template "{_escaped(SUMMARIZE_TEMPLATE)}"'
     )
@@ -27,6 +30,12 @@ def _escaped(template: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    return run_locally(args, params_from_args(args))
+
+
+def run_locally(args: argparse.Namespace, params: JobParams) -> int:
+    """Run a job in this process with a progress bar (`freight run`, `freight summarize`); args
+    holds input, output, metrics_json and no_progress."""
     from tqdm import tqdm
 
     from jobs.embedded import RunProgress, run_embedded
@@ -35,7 +44,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not source.is_file():
         print(f"freight: no such file: {source}", file=sys.stderr)
         return 2
-    params = params_from_args(args)
     bars: list[tqdm] = []  # made on the first update, once the model is loaded
 
     def on_progress(update: RunProgress) -> None:

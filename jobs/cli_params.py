@@ -23,6 +23,11 @@ FLAG_FIELDS = (
     "chat",
     "quantization",
     "kv_cache_dtype",
+    "task",
+    "column",
+    "style",
+    "long_documents",
+    "id_column",
 )
 
 

@@ -13,6 +13,7 @@ import httpx
 
 from jobs.cli_params import params_dict_from_args
 from jobs.client import FreightAPIError, FreightClient
+from jobs.progress import RUNNING, JobProgress
 
 
 class CLIError(Exception):
@@ -45,6 +46,15 @@ def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Calla
 
     metrics = remote("metrics", "show a job's metrics", cmd_metrics)
     metrics.add_argument("job_id")
+
+    report = remote("report", "save a job's report: one HTML page with its cost table and plots", cmd_report)
+    report.add_argument("job_id")
+    report.add_argument("-o", "--output", required=True, help="HTML file to write")
+    report.add_argument(
+        "--local",
+        action="store_true",
+        help="a job run here (`freight run` / `summarize`), not on the service",
+    )
 
     listing = remote("jobs", "list jobs, newest first", cmd_jobs)
     listing.add_argument("--status")
@@ -88,17 +98,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def wait_with_progress(client: FreightClient, job_id: str) -> dict[str, Any]:
     from tqdm import tqdm
 
-    bar = tqdm(total=0, unit="row", desc="rows", dynamic_ncols=True)
+    # The ETA comes from the job's own rate (JobProgress), not from tqdm's, which would count queueing.
+    bar = tqdm(
+        total=0,
+        unit="row",
+        desc="rows",
+        dynamic_ncols=True,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+    )
 
     def update(job: dict[str, Any]) -> None:
-        counts = job["request_counts"]
-        bar.total = counts["total"]
-        bar.n = counts["completed"] + counts["failed"]
-        if job["status"] in ("in_progress", "finalizing"):
-            metrics = client.metrics(job_id)
-            bar.set_postfix_str(f"{job['status']}, {metrics['tokens_per_second']:.0f} tok/s", refresh=False)
-        else:
-            bar.set_postfix_str(job["status"], refresh=False)
+        metrics = client.metrics(job_id) if job["status"] in RUNNING else None
+        progress = JobProgress.of(job, metrics)
+        bar.total = progress.rows_total
+        bar.n = progress.rows_done
+        bar.set_postfix_str(progress.postfix(), refresh=False)
         bar.refresh()
 
     try:
@@ -109,7 +123,27 @@ def wait_with_progress(client: FreightClient, job_id: str) -> dict[str, Any]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        _print_json(_call(lambda: client.get_job(args.job_id)))
+        job = _call(lambda: client.get_job(args.job_id))
+        metrics = _call(lambda: client.metrics(args.job_id)) if job["status"] in RUNNING else None
+    _print_json(job)
+    print(JobProgress.of(job, metrics).line(), file=sys.stderr)  # stdout stays JSON
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    if args.local:
+        from jobs.embedded import local_report_html
+        from jobs.errors import NotFound
+
+        try:
+            html = local_report_html(args.job_id)
+        except NotFound as exc:
+            raise CLIError(f"{exc} in the embedded database (FREIGHT_HOME)") from exc
+    else:
+        with _client(args) as client:
+            html = _call(lambda: client.report_html(args.job_id))
+    Path(args.output).write_text(html, encoding="utf-8")
+    print(f"report: {args.output}", file=sys.stderr)
     return 0
 
 

@@ -17,6 +17,8 @@ from jobs.schemas import JobParams
 from storage.settings import Settings
 from storage.status import FINAL_JOB_STATUSES
 
+RETRIES_ON_503 = 5
+
 
 class FreightAPIError(Exception):
     def __init__(self, status_code: int, detail: Any) -> None:
@@ -51,6 +53,12 @@ class FreightClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = self.http.request(method, path, **kwargs)
+        for _ in range(RETRIES_ON_503):
+            # The service is briefly unavailable (its database or queue restarting): reads are safe to repeat.
+            if response.status_code != 503 or method != "GET":
+                break
+            time.sleep(float(response.headers.get("retry-after", "1")))
+            response = self.http.request(method, path, **kwargs)
         if response.status_code >= 400:
             try:
                 body = response.json()
@@ -119,6 +127,10 @@ class FreightClient:
 
     def metrics(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}/metrics").json()
+
+    def report_html(self, job_id: str) -> str:
+        """The job report: one self-contained HTML page."""
+        return self._request("GET", f"/v1/jobs/{job_id}/report").text
 
     def results_bytes(self, job_id: str) -> bytes:
         return self._request("GET", f"/v1/jobs/{job_id}/results").content

@@ -116,3 +116,19 @@ class _ProgressTracker:
                     elapsed_s=time.monotonic() - self.started,
                 )
             )
+
+
+def local_report_html(job_id: str, settings: Settings | None = None) -> str:
+    """The report of a job run here (`freight run` / `freight summarize`), from the embedded database."""
+    from jobs.report import job_report_html
+
+    settings = settings or Settings()
+    engine = make_engine(settings.embedded_database_url)
+    try:
+        blobs = BlobStore(settings.resolved_data_dir)
+        service = JobService(
+            settings, make_session_factory(engine), blobs, dispatcher=None, allow_any_model=True
+        )
+        return job_report_html(service, LOCAL_TENANT, job_id)
+    finally:
+        engine.dispose()

@@ -15,6 +15,7 @@ from storage.result_store import token_sums
 from storage.settings import Settings
 from storage.shard_store import shards_of
 from storage.status import FinishReason
+from storage.summary_store import summary_counts
 
 # Engine counters that add up across shards (each shard records its own difference).
 SUMMED_STATS = ("steps", "computed_tokens", "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds")
@@ -68,4 +69,17 @@ def compute_metrics(
         "peak_kv_utilization": round(peak_kv, 4),
         "preemptions": int(totals["preemptions"]),
         "shards": len(shards),
+        **_summary_metrics(session, job),
+    }
+
+
+def _summary_metrics(session: Session, job: Job) -> dict[str, int]:
+    """Summarize jobs: how many documents went through windows, and the extra requests that took."""
+    if job.params.get("task") != "summarize":
+        return {"documents_split": 0, "windows": 0, "reduce_requests": 0}
+    counts = summary_counts(session, job.id)
+    return {
+        "documents_split": counts.documents_split,
+        "windows": counts.windows,
+        "reduce_requests": counts.reduce_requests,
     }

@@ -85,6 +85,21 @@ def is_string_type(arrow_type: pa.DataType) -> bool:
     )
 
 
+def _is_template_type(arrow_type: pa.DataType) -> bool:
+    """Scalar types whose values read as text in a prompt (and that Arrow casts to string)."""
+    types = pa.types
+    return (
+        is_string_type(arrow_type)
+        or types.is_integer(arrow_type)
+        or types.is_floating(arrow_type)
+        or types.is_boolean(arrow_type)
+        or types.is_decimal(arrow_type)
+        or types.is_date(arrow_type)
+        or types.is_timestamp(arrow_type)
+        or types.is_null(arrow_type)
+    )
+
+
 def _is_messages_type(arrow_type: pa.DataType) -> bool:
     if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
         return False
@@ -110,13 +125,11 @@ def resolve_source(
             )
         for name in fields:
             arrow_type = schema.field(name).type
-            if (
-                pa.types.is_nested(arrow_type)
-                or pa.types.is_binary(arrow_type)
-                or pa.types.is_large_binary(arrow_type)
-            ):
+            if not _is_template_type(arrow_type):
                 raise InputError(
-                    f"column {name!r} has type {arrow_type}; a template needs scalar text", column=name
+                    f"column {name!r} has type {arrow_type}; a template needs text, numbers, booleans, "
+                    "dates or timestamps",
+                    column=name,
                 )
         return PromptSource("template", tuple(fields), template=template, chat=True if chat is None else chat)
     column = prompt_column or ("prompt" if "prompt" in names else "messages" if "messages" in names else None)

@@ -1,8 +1,12 @@
-"""A small set of documents for the summarization demo (`freight sample-docs`). The texts were written
-for this project and are distributed with it under the project's license."""
+"""Sample documents for the summarization demo and tests (`freight sample-docs`): twenty short texts,
+then four long ones from jobs/sample_texts/ (two of them longer than the default model's context of
+2048 tokens, so summarizing them goes through map-reduce). The texts were written for this project
+and are distributed under its license, except the Gettysburg Address (Abraham Lincoln, 1863), which is
+in the public domain. Nothing is downloaded."""
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 import pyarrow as pa
@@ -192,11 +196,37 @@ DOCUMENTS: list[tuple[str, str, str]] = [
 ]
 
 
+# (doc_id, title, file in jobs/sample_texts/); the first two are longer than 2048 tokens.
+LONG_DOCUMENTS: list[tuple[str, str, str]] = [
+    ("freight-design", "How Freight Runs a Batch Job", "freight-design.md"),
+    ("harbour-almanac", "The Harbour Town Almanac", "harbour-almanac.md"),
+    ("river-survey", "A Survey of the Upper River", "river-survey.md"),
+    ("gettysburg", "The Gettysburg Address (Abraham Lincoln, 1863; public domain)", "gettysburg-address.txt"),
+]
+
+
+def long_document_text(file_name: str) -> str:
+    """A long sample text without its Markdown title line."""
+    text = (files("jobs") / "sample_texts" / file_name).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return "\n".join(lines).strip()
+
+
+def all_documents() -> list[tuple[str, str, str]]:
+    """(doc_id, title, text): the short documents, then the long ones."""
+    long = [(doc_id, title, long_document_text(name)) for doc_id, title, name in LONG_DOCUMENTS]
+    return [*DOCUMENTS, *long]
+
+
 def sample_docs_table(rows: int | None = None) -> pa.Table:
-    """`doc_id`, `title`, `text`; with rows > len(DOCUMENTS) the documents repeat with new ids."""
-    count = rows or len(DOCUMENTS)
-    picked = [DOCUMENTS[i % len(DOCUMENTS)] for i in range(count)]
-    suffix = [f"-{i // len(DOCUMENTS)}" if i >= len(DOCUMENTS) else "" for i in range(count)]
+    """`custom_id`, `title`, `text`; the short documents come first. With rows above the number of
+    documents they repeat with new ids."""
+    documents = all_documents()
+    count = rows or len(documents)
+    picked = [documents[i % len(documents)] for i in range(count)]
+    suffix = [f"-{i // len(documents)}" if i >= len(documents) else "" for i in range(count)]
     return pa.table(
         {
             "custom_id": [doc_id + tail for (doc_id, _, _), tail in zip(picked, suffix, strict=True)],

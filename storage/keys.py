@@ -13,6 +13,8 @@ from sqlalchemy.orm import Session
 from storage.models import ApiKey, utcnow
 
 KEY_PREFIX = "frk"
+_UNKNOWN_SALT = "0" * 32
+_UNKNOWN_HASH = "0" * 64  # no secret hashes to this
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,10 @@ def tenant_for_key(session: Session, key: str) -> str | None:
         return None
     key_id, secret = parts
     row = session.get(ApiKey, key_id)
-    if row is None or row.revoked_at is not None:
-        return None
-    if not hmac.compare_digest(row.secret_hash, _hash_secret(row.salt, secret)):
+    # Hash and compare even for an unknown key id, so the answer takes the same time either way.
+    salt, stored = (row.salt, row.secret_hash) if row is not None else (_UNKNOWN_SALT, _UNKNOWN_HASH)
+    matches = hmac.compare_digest(stored, _hash_secret(salt, secret))
+    if row is None or row.revoked_at is not None or not matches:
         return None
     return row.tenant
 

@@ -113,3 +113,21 @@ def as_utc(moment: datetime | None) -> datetime | None:
     if moment is None or moment.tzinfo is not None:
         return moment
     return moment.replace(tzinfo=UTC)
+
+
+class SummaryPart(Base):
+    """A partial summary of a long document (summarize task, map_reduce): level 0 holds one summary per
+    token window, level n + 1 summaries of groups of level-n summaries. Stored as each finishes, so a
+    redelivered shard runs only the parts it lacks."""
+
+    __tablename__ = "summary_parts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    row_index: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    part_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    text: Mapped[str] = mapped_column(Text)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    shard_index: Mapped[int] = mapped_column(Integer)
+    finished_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -29,9 +29,18 @@ def insert_results(session: Session, rows: Sequence[dict[str, Any]]) -> int:
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = insert(ResultRow).on_conflict_do_nothing(index_elements=["job_id", "row_index"])
-    session.execute(statement, list(rows))
+    session.execute(statement, [_storable(row) for row in rows])
     session.commit()
     return len(rows)
+
+
+def _storable(row: dict[str, Any]) -> dict[str, Any]:
+    """Postgres text cannot hold NUL: a model that generates the NUL byte gets U+FFFD in its place
+    (custom_ids with NUL are refused at submit)."""
+    text = row.get("output_text")
+    if text is not None and "\x00" in text:
+        return {**row, "output_text": text.replace("\x00", "\ufffd")}
+    return row
 
 
 def stored_row_indices(session: Session, job_id: str, row_indices: Sequence[int]) -> set[int]:

@@ -42,13 +42,19 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     flower_port: int = 5555
+    # Prometheus metrics of each `freight worker` (prometheus-client's server); None: not served.
+    # Each worker on a host needs its own port (`freight worker --metrics-port`).
+    worker_metrics_port: int | None = None
+    worker_metrics_host: str = "127.0.0.1"
     queue_prefix: str = "freight"  # Celery queue names are <prefix>.<model>
     result_chunk_rows: int = Field(64, ge=1)  # result rows per bulk insert
     result_flush_seconds: float = 2.0  # flush a partial chunk after this long
     # A shard's lease in Postgres: a worker renews it while it runs; another worker may take the
-    # shard over only after it lapses. Keep it well under the broker's visibility timeout.
+    # shard over only after it lapses. A task redelivered while the lease is held looks again later.
     shard_lease_seconds: float = 120.0
     broker_visibility_timeout: int = 3600  # seconds before Redis redelivers an unacked shard task
+    # The API re-sends tasks the broker lost (see jobs/recovery.py) after two sweeps this far apart.
+    recovery_interval_seconds: float = Field(30.0, gt=0)
     shard_max_attempts: int = 3  # after this many failed runs a shard's rows become error rows
     cancel_poll_seconds: float = 1.0  # how often a running shard checks for cancellation
     timeline_max_points: int = 200  # bounded time series per shard (tokens/s, batch, KV use)

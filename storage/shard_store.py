@@ -84,12 +84,22 @@ def finish_shard(
     return result.rowcount == 1
 
 
-def release_shard(session: Session, job_id: str, shard_index: int, owner: str, error: str) -> bool:
-    """Hand the shard back (a failed attempt, a worker shutting down) so the next delivery runs it."""
+def release_shard(
+    session: Session,
+    job_id: str,
+    shard_index: int,
+    owner: str,
+    error: str | None,
+    *,
+    count_attempt: bool = True,
+) -> bool:
+    """Hand the shard back (a failed attempt, a worker shutting down) so the next delivery runs it.
+    A hand-back on shutdown is not a failed attempt: count_attempt=False takes the claim back."""
+    attempts = Shard.attempts if count_attempt else Shard.attempts - 1
     result = session.execute(
         update(Shard)
         .where(*_held_by(job_id, shard_index, owner))
-        .values(status=ShardStatus.PENDING, owner=None, lease_until=None, error=error)
+        .values(status=ShardStatus.PENDING, owner=None, lease_until=None, error=error, attempts=attempts)
     )
     session.commit()
     return result.rowcount == 1

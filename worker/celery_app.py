@@ -7,13 +7,14 @@ import logging
 import os
 import socket
 
-from celery import Celery
+from celery import Celery, signals
 
 from jobs.broker import celery_config, queue_for_model
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
 from storage.settings import Settings
 from worker.llm_pool import LLMPool
+from worker.prometheus import WorkerMetrics
 from worker.shard_runner import WorkerContext
 from worker.tasks import register_tasks
 
@@ -30,7 +31,12 @@ def make_worker_app(settings: Settings, model: str) -> tuple[Celery, LLMPool]:
         blobs=BlobStore(settings.resolved_data_dir),
     )
     pool = LLMPool(settings)
-    register_tasks(app, ctx, pool)
+    # SIGTERM: running shards hand back their unfinished rows instead of holding shutdown up.
+    signals.worker_shutting_down.connect(lambda **_kwargs: ctx.stopping.set(), weak=False)
+    metrics = WorkerMetrics(pool)
+    register_tasks(app, ctx, pool, metrics)
+    if settings.worker_metrics_port is not None:
+        metrics.serve(settings.worker_metrics_port, settings.worker_metrics_host)
     app.conf.task_default_queue = queue_for_model(settings, model)
     return app, pool
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import logging
 
+from sqlalchemy.exc import DBAPIError
+
 from jobs.metrics import compute_metrics
 from jobs.results import write_final_results
+from jobs.summary_results import add_summary_columns
 from storage import job_store
 from storage.blobs import metrics_name, results_name
 from storage.models import utcnow
@@ -27,6 +30,8 @@ def finalize_job(ctx: WorkerContext, job_id: str) -> str | None:
         try:
             with ctx.blobs.atomic_path(results_name(job_id)) as temp:
                 write_final_results(session, job, ctx.blobs.path(job.input_name), temp)
+                if job.params.get("task") == "summarize":
+                    add_summary_columns(session, job, ctx.blobs.path(job.input_name), temp)
             finished_at = utcnow()
             metrics = compute_metrics(session, job, ctx.settings, finished_at=finished_at)
             ctx.blobs.write_text(metrics_name(job_id), json.dumps(metrics, indent=2))
@@ -39,6 +44,8 @@ def finalize_job(ctx: WorkerContext, job_id: str) -> str | None:
                 extra={"metrics": metrics, "finished_at": finished_at},
             )
         except Exception as exc:
+            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                raise  # the database connection dropped: the task tries again, the job is fine
             log.exception("finalizing %s failed", job_id)
             session.rollback()
             job_store.transition(

@@ -30,7 +30,12 @@ class LLMPool:
         self._llm: LLM | None = None
 
     def get(self, params: ResolvedParams) -> LLM:
-        return self.load(EngineKey(params.model, params.quantization, params.kv_cache_dtype))
+        llm = self.load(EngineKey(params.model, params.quantization, params.kv_cache_dtype))
+        if llm.engine.has_unfinished():
+            # A shard that failed mid-stream (say its database connection dropped) left its requests
+            # in the engine; they must not come out of the next shard's stream as its rows.
+            log.warning("dropping %d requests a failed shard left in the engine", len(llm.engine.abort_all()))
+        return llm
 
     def load(self, key: EngineKey) -> LLM:
         if self._llm is not None and self._key == key:
@@ -53,6 +58,15 @@ class LLMPool:
         self._key = key
         log.info("loaded %s in %.1fs", key, time.monotonic() - started)
         return self._llm
+
+    @property
+    def loaded(self) -> LLM | None:
+        """The engine now in memory, if any (read by the metrics endpoint)."""
+        return self._llm
+
+    @property
+    def loaded_model(self) -> str | None:
+        return self._key.model if self._key is not None else None
 
     def default_key(self, model: str) -> EngineKey:
         return EngineKey(model, self.settings.quantization, self.settings.kv_cache_dtype)

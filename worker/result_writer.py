@@ -90,14 +90,17 @@ class ResultWriter:
         if self.on_progress is None:
             return
         elapsed = max(time.monotonic() - self.started, 1e-9)
+        # The engine's own count moves with every step; the stored rows' count only when rows finish
+        # (a long summary's windows would show no progress at all).
+        tokens = self.engine_tokens() if self.engine_tokens is not None else self.tokens_done
         self.on_progress(
             ShardProgress(
                 self.job_id,
                 self.shard_index,
                 self.rows_done,
                 self.rows_total,
-                self.tokens_done,
-                self.tokens_done / elapsed,
+                tokens,
+                tokens / elapsed,
             )
         )
 

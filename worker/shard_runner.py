@@ -8,10 +8,12 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow.parquet as pq
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.prompts import PromptSource, resolve_source
@@ -27,6 +29,8 @@ from worker.engine_stats import shard_stats, snapshot
 from worker.inputs import read_rows
 from worker.llm_pool import LLMPool
 from worker.result_writer import ProgressCallback, ResultWriter
+from worker.summarize_runner import PartWriter, summarize_rows
+from worker.truncation import truncated_ids
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,9 @@ class WorkerContext:
     settings: Settings
     sessions: sessionmaker[Session]
     blobs: BlobStore
+    # Set when the worker is shutting down (SIGTERM): running shards stop between engine steps,
+    # keep the rows they finished and hand the rest back.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def owner(self) -> str:
         """Who holds a lease: host, process and thread (a threads pool runs shards side by side)."""
@@ -50,6 +57,7 @@ class ShardOutcome:
     status: str | None = None  # the shard's status after this run, when this run finished it
     rows_written: int = 0
     ready_to_finalize: bool = False
+    handed_back: bool = False  # the worker is shutting down; the shard's unfinished rows run elsewhere
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +65,14 @@ class ShardOutcome:
 
 class ShardRetry(Exception):
     """The shard failed and was handed back; the caller should run it again."""
+
+
+class ShardHandedBack(Exception):
+    """The worker is shutting down: the shard was released with its finished rows kept."""
+
+    def __init__(self, rows_written: int) -> None:
+        super().__init__(f"handed back after {rows_written} rows")
+        self.rows_written = rows_written
 
 
 @dataclass
@@ -87,6 +103,9 @@ def run_shard(
             outcome.status, outcome.rows_written = _execute(
                 ctx, pool, job_id, shard_index, owner, on_progress
             )
+    except ShardHandedBack as handed_back:
+        outcome.handed_back, outcome.rows_written = True, handed_back.rows_written
+        return outcome
     except Exception as exc:
         outcome.status = _after_failure(ctx, job_id, shard_index, owner, exc)
     if outcome.status is not None:
@@ -145,13 +164,47 @@ def _execute(
     llm = pool.get(params)
     before = snapshot(llm.stats)
     writer.engine_tokens = lambda: int(llm.stats.computed_tokens - before.counters["computed_tokens"])
+
+    def should_stop() -> bool:
+        return ctx.stopping.is_set() or writer.should_stop()
+
+    poll_seconds = min(0.5, ctx.settings.cancel_poll_seconds)
+    if params.summarize is not None:
+        parts = PartWriter(ctx.sessions, job_id, shard_index, ctx.settings.result_chunk_rows)
+        rows_run = summarize_rows(llm, params, records, writer, parts, should_stop, poll_seconds)
+    else:
+        rows_run = _generate(llm, source, params, records, writer, should_stop, poll_seconds)
+    writer.flush()
+    if ctx.stopping.is_set() and not (writer.cancelled or writer.lease_lost) and rows_run > 0:
+        _hand_back(ctx, job_id, shard_index, owner, writer.rows_done - len(stored))
+    if writer.lease_lost:
+        log.warning("lost the lease on %s shard %d; another worker has it", job_id, shard_index)
+        return None, writer.rows_done - len(stored)
+    status = ShardStatus.CANCELLED if writer.cancelled else ShardStatus.DONE
+    stats = shard_stats(before, llm.stats, ctx.settings.timeline_max_points)
+    stats.update(rows=len(shard.row_indices), rows_run=rows_run)
+    with ctx.sessions() as session:
+        finish_shard(session, job_id, shard_index, owner, status, stats)
+    return status, writer.rows_done - len(stored)
+
+
+def _generate(
+    llm: LLM,
+    source: PromptSource,
+    params: ResolvedParams,
+    records: dict[int, dict[str, Any]],
+    writer: ResultWriter,
+    should_stop: Callable[[], bool],
+    poll_seconds: float,
+) -> int:
+    """One request per row, all in one engine stream; returns the rows sent to the engine."""
     prepared = _prepare(llm, source, params, records, writer)
     prepared.sort(key=lambda row: len(row.prompt_ids))  # similar lengths run together
     stream = llm.stream(
         [row.prompt_ids for row in prepared],
         [row.sampling for row in prepared],
-        should_cancel=writer.should_stop,
-        cancel_poll_seconds=min(0.5, ctx.settings.cancel_poll_seconds),
+        should_cancel=should_stop,
+        cancel_poll_seconds=poll_seconds,
     )
     for out in stream:
         row = prepared[out.index]
@@ -166,16 +219,22 @@ def _execute(
                 "error": out.error,
             }
         )
-    writer.flush()
-    if writer.lease_lost:
-        log.warning("lost the lease on %s shard %d; another worker has it", job_id, shard_index)
-        return None, writer.rows_done - len(stored)
-    status = ShardStatus.CANCELLED if writer.cancelled else ShardStatus.DONE
-    stats = shard_stats(before, llm.stats, ctx.settings.timeline_max_points)
-    stats.update(rows=len(shard.row_indices), rows_run=len(prepared))
+    return len(prepared)
+
+
+def _hand_back(ctx: WorkerContext, job_id: str, shard_index: int, owner: str, rows_written: int) -> None:
+    """Release the shard unless every row finished anyway; the caller requeues its task."""
     with ctx.sessions() as session:
-        finish_shard(session, job_id, shard_index, owner, status, stats)
-    return status, writer.rows_done - len(stored)
+        remaining = set(get_shard(session, job_id, shard_index).row_indices)
+        if len(stored_row_indices(session, job_id, sorted(remaining))) == len(remaining):
+            return  # the shard finished before the stop took effect: finish it normally
+        release_shard(
+            session, job_id, shard_index, owner, "handed back: worker shutting down", count_attempt=False
+        )
+    log.warning(
+        "worker shutting down: handed back %s shard %d after %d rows", job_id, shard_index, rows_written
+    )
+    raise ShardHandedBack(rows_written)
 
 
 def _prepare(
@@ -187,11 +246,14 @@ def _prepare(
 ) -> list[PreparedRow]:
     """Prompts for the engine; rows without a usable prompt become error rows right away."""
     texts: list[tuple[int, str, bool]] = []  # (row_index, text, add_special_tokens)
+    prompts: dict[int, str | list] = {}  # kept for the truncate option
     for index, record in records.items():
         prompt, problem = source.build(record)
         if prompt is None:
             writer.add(_error_row(index, record, problem))
-        elif isinstance(prompt, list):
+            continue
+        prompts[index] = prompt
+        if isinstance(prompt, list):
             # The chat template already holds the special tokens; adding BOS again would double it.
             texts.append((index, llm.apply_chat_template(prompt), False))
         else:
@@ -204,6 +266,9 @@ def _prepare(
         encoded = llm.tokenizer([text for _, text in group], add_special_tokens=add_special)["input_ids"]
         for (index, _text), ids in zip(group, encoded, strict=True):
             record = records[index]
+            if len(ids) >= llm.max_model_len and params.truncate:
+                budget = llm.max_model_len - int(record.get("max_tokens") or params.max_tokens)
+                ids = truncated_ids(llm, prompts[index], ids, max(1, budget)) or ids
             if len(ids) >= llm.max_model_len:
                 problem = (
                     f"prompt has {len(ids)} tokens; the model's context is {llm.max_model_len} tokens "
@@ -263,10 +328,13 @@ def _after_failure(ctx: WorkerContext, job_id: str, shard_index: int, owner: str
     rows so the job can still finish. Returns the shard's final status, or raises ShardRetry."""
     message = f"{exc.__class__.__name__}: {exc}"
     log.exception("shard %d of %s failed", shard_index, job_id)
+    # A dropped database connection (restart, pg_terminate_backend) is not the shard's fault: the
+    # retry resumes from the stored rows without using up one of the shard's attempts.
+    disconnected = isinstance(exc, DBAPIError) and exc.connection_invalidated
     with ctx.sessions() as session:
         shard = get_shard(session, job_id, shard_index)
-        if shard.attempts < ctx.settings.shard_max_attempts:
-            release_shard(session, job_id, shard_index, owner, message)
+        if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
+            release_shard(session, job_id, shard_index, owner, message, count_attempt=not disconnected)
             raise ShardRetry(message) from exc
         stored = stored_row_indices(session, job_id, shard.row_indices)
         missing = [index for index in shard.row_indices if index not in stored]

@@ -204,8 +204,9 @@ def start_worker(service: ServiceEnv, log_dir: Path, name: str, *extra: str) -> 
     from jobs.broker import celery_config
 
     hostname = f"{name}-{secrets.token_hex(3)}@test"
+    metrics_port = free_port()  # each worker serves its Prometheus metrics on its own port
     process = Process(
-        ["worker", "--hostname", hostname, "--loglevel", "INFO", *extra],
+        ["worker", "--hostname", hostname, "--loglevel", "INFO", "--metrics-port", str(metrics_port), *extra],
         service.subprocess_env(),
         log_dir / f"worker-{name}.log",
     )
@@ -221,6 +222,7 @@ def start_worker(service: ServiceEnv, log_dir: Path, name: str, *extra: str) -> 
     finally:
         control.close()
     process.hostname = hostname
+    process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     return process
 
 

@@ -46,6 +46,7 @@ def test_health_and_readiness(api_url: str) -> None:
         ("POST", "/v1/jobs/job_x/cancel"),
         ("GET", "/v1/jobs/job_x/results"),
         ("GET", "/v1/jobs/job_x/metrics"),
+        ("GET", "/v1/jobs/job_x/report"),
     ],
 )
 def test_every_v1_route_needs_a_valid_key(api_url: str, method: str, path: str) -> None:

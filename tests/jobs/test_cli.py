@@ -27,6 +27,8 @@ def test_help_lists_every_command() -> None:
     for command in (
         "run",
         "sample-docs",
+        "summarize",
+        "report",
         "submit",
         "status",
         "results",
@@ -60,7 +62,12 @@ def test_db_upgrade_on_a_new_sqlite_database(tmp_path: Path) -> None:
         "FREIGHT_DATABASE_URL": f"sqlite:///{tmp_path / 'db' / 'f.db'}",
     }
     assert "revision head" in freight("db", "upgrade", env=env).stdout
-    assert freight("db", "current", env=env).stdout.strip() == "0001"
+    from alembic.script import ScriptDirectory
+
+    from storage.db import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config(env["FREIGHT_DATABASE_URL"])).get_current_head()
+    assert freight("db", "current", env=env).stdout.strip() == head
 
 
 def test_keys_create_prints_the_key_once_and_stores_a_hash(service_env: ServiceEnv) -> None:
@@ -82,10 +89,11 @@ def test_keys_create_prints_the_key_once_and_stores_a_hash(service_env: ServiceE
 
 def test_sample_docs(tmp_path: Path) -> None:
     out = tmp_path / "docs.parquet"
-    assert "freight run" in freight("sample-docs", "-o", str(out)).stdout
+    printed = freight("sample-docs", "-o", str(out)).stdout
+    assert "freight summarize" in printed and "freight run" in printed
     table = pq.read_table(out)
-    assert table.column_names == ["custom_id", "title", "text"] and table.num_rows == 20
-    assert len(set(table.column("custom_id").to_pylist())) == 20
+    assert table.column_names == ["custom_id", "title", "text"] and table.num_rows == 24  # 20 short, 4 long
+    assert len(set(table.column("custom_id").to_pylist())) == 24
     freight("sample-docs", "-o", str(out), "--rows", "45")
     assert len(set(pq.read_table(out).column("custom_id").to_pylist())) == 45
 

@@ -1,0 +1,190 @@
+"""Put back work the broker lost. Postgres is the record of what must run; Redis only carries the
+messages. If Redis loses them (restarted without persistence, flushed, failed over) a shard would
+wait forever, so the API sweeps now and then: a shard that is pending (or whose lease lapsed) in
+an active job, and that has no message in its model's queue nor among the broker's unacknowledged
+messages on two sweeps in a row, gets its task sent again; likewise a job stuck in `finalizing`.
+A duplicate message is harmless: the shard's lease and its stored rows make a second run a no-op.
+Only jobs whose input file is in this API's data folder are swept (a deployment's own jobs).
+Jobs stuck in `validating` (an API that died mid-upload) are deleted with their files."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from storage import job_store
+from storage.blobs import BlobStore
+from storage.models import Job, Shard, utcnow
+from storage.settings import Settings
+from storage.shard_store import unfinished_shards
+from storage.status import JobStatus, ShardStatus
+
+log = logging.getLogger(__name__)
+ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)
+UNACKED_KEY = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
+ABANDONED_VALIDATION = timedelta(hours=1)
+
+# (task name, job id, shard index or None for finalize): one piece of work a message carries.
+WorkKey = tuple[str, str, int | None]
+
+
+@dataclass
+class SweepReport:
+    shards_resent: list[tuple[str, int]] = field(default_factory=list)
+    finalize_resent: list[str] = field(default_factory=list)
+    abandoned_deleted: list[str] = field(default_factory=list)
+
+
+def message_work(raw: bytes) -> WorkKey | None:
+    """The work a kombu Redis message stands for, or None if it is not one of ours."""
+    try:
+        payload = json.loads(raw)
+        if isinstance(payload, list):  # unacked entries are [message, exchange, routing_key]
+            payload = payload[0]
+        task = payload["headers"]["task"]
+        args = json.loads(base64.b64decode(payload["body"]))[0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if task == TASK_RUN_SHARD and len(args) == 2:
+        return task, str(args[0]), int(args[1])
+    if task == TASK_FINALIZE_JOB and len(args) == 1:
+        return task, str(args[0]), None
+    return None
+
+
+class Recovery:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        dispatcher: CeleryDispatcher,
+    ) -> None:
+        import redis
+
+        self.settings = settings
+        self.sessions = sessions
+        self.blobs = blobs
+        self.dispatcher = dispatcher
+        self.redis = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=5)
+        self.suspects: set[WorkKey] = set()  # missing on the last sweep; re-sent if still missing
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def run(self, stop: threading.Event) -> None:
+        """Sweep every recovery_interval_seconds until `stop` is set (a daemon thread of the API)."""
+        while not stop.wait(self.settings.recovery_interval_seconds):
+            try:
+                self.sweep()
+            except Exception:  # a broker or database outage: try again next time
+                log.warning("recovery sweep failed", exc_info=True)
+
+    def sweep(self) -> SweepReport:
+        report = SweepReport()
+        now = utcnow()
+        expected: dict[WorkKey, str] = {}  # work that needs a message -> its model
+        with self.sessions() as session:
+            for job_id in self._abandoned_validations(session, now):
+                job_store.delete_job(session, job_id)
+                self.blobs.delete_job(job_id)
+                report.abandoned_deleted.append(job_id)
+            for job in self._active_jobs(session, now):
+                if not self.blobs.exists(job.input_name):
+                    continue  # another deployment's job (its files are elsewhere), or being deleted
+                if job.status != JobStatus.FINALIZING and unfinished_shards(session, job.id) == 0:
+                    # Every shard is done but the move to finalizing was lost with its worker.
+                    job_store.transition(
+                        session, job.id, JobStatus.FINALIZING, from_statuses=list(ACTIVE_JOB_STATUSES)
+                    )
+                    session.refresh(job)
+                if job.status == JobStatus.FINALIZING:
+                    expected[(TASK_FINALIZE_JOB, job.id, None)] = job.model
+                    continue
+                for index in self._idle_shards(session, job.id, now):
+                    expected[(TASK_RUN_SHARD, job.id, index)] = job.model
+        if not expected:
+            self.suspects = set()
+            return report
+        missing = set(expected) - self._work_in_broker({model for model in expected.values()})
+        for work in sorted(missing & self.suspects, key=str):
+            task, job_id, index = work
+            queue = queue_for_model(self.settings, expected[work])
+            if task == TASK_RUN_SHARD:
+                self.dispatcher.dispatch(job_id, expected[work], [index])
+                report.shards_resent.append((job_id, index))
+            else:
+                self.dispatcher.app.send_task(TASK_FINALIZE_JOB, args=[job_id], queue=queue)
+                report.finalize_resent.append(job_id)
+            log.warning(
+                "re-sent %s for %s (its message was lost)", task, job_id if index is None else (job_id, index)
+            )
+        self.suspects = missing - self.suspects
+        return report
+
+    def _active_jobs(self, session: Session, now) -> list[Job]:
+        # A job younger than one sweep may still be getting its messages from the API that made it.
+        settled = now - timedelta(seconds=self.settings.recovery_interval_seconds)
+        return list(
+            session.scalars(
+                select(Job).where(
+                    Job.status.in_([*ACTIVE_JOB_STATUSES, JobStatus.FINALIZING]), Job.created_at < settled
+                )
+            )
+        )
+
+    def _idle_shards(self, session: Session, job_id: str, now) -> list[int]:
+        """Shards nobody is running: pending, or running under a lease that has lapsed."""
+        return list(
+            session.scalars(
+                select(Shard.shard_index).where(
+                    Shard.job_id == job_id,
+                    or_(
+                        Shard.status == ShardStatus.PENDING,
+                        (Shard.status == ShardStatus.RUNNING) & (Shard.lease_until < now),
+                    ),
+                )
+            )
+        )
+
+    def _abandoned_validations(self, session: Session, now) -> list[str]:
+        cutoff = now - ABANDONED_VALIDATION
+        jobs = session.execute(
+            select(Job.id, Job.input_name).where(Job.status == JobStatus.VALIDATING, Job.created_at < cutoff)
+        ).all()
+        return [job_id for job_id, name in jobs if self.blobs.exists(name)]  # this deployment's only
+
+    def _work_in_broker(self, models: Iterable[str]) -> set[WorkKey]:
+        found: set[WorkKey] = set()
+        for raw in self._broker_messages(models):
+            work = message_work(raw)
+            if work is not None:
+                found.add(work)
+        return found
+
+    def _broker_messages(self, models: Iterable[str]) -> Iterator[bytes]:
+        for model in models:
+            queue = queue_for_model(self.settings, model)
+            for start in range(0, self.redis.llen(queue), 1000):
+                yield from self.redis.lrange(queue, start, start + 999)
+        for _tag, raw in self.redis.hscan_iter(UNACKED_KEY, count=1000):
+            yield raw
+
+
+def start_recovery(
+    settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore, dispatcher: CeleryDispatcher
+) -> tuple[threading.Thread, threading.Event, Recovery]:
+    recovery = Recovery(settings, sessions, blobs, dispatcher)
+    stop = threading.Event()
+    thread = threading.Thread(target=recovery.run, args=(stop,), name="freight-recovery", daemon=True)
+    thread.start()
+    return thread, stop, recovery

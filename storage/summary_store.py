@@ -1,0 +1,107 @@
+"""Partial summaries of long documents: inserts that skip parts already stored (a redelivered shard or
+a second worker), reads by document, and the counts the job's metrics and results report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import distinct, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from storage.models import ResultRow, SummaryPart
+from storage.status import FinishReason
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+PartKey = tuple[int, int]  # (level, part_index)
+
+
+def insert_parts(session: Session, rows: Sequence[dict[str, Any]]) -> int:
+    """Insert parts, keeping the first one stored for each (job, row, level, part); commits."""
+    if not rows:
+        return 0
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(SummaryPart).on_conflict_do_nothing(
+        index_elements=["job_id", "row_index", "level", "part_index"]
+    )
+    session.execute(statement, list(rows))
+    session.commit()
+    return len(rows)
+
+
+def parts_of(
+    session: Session, job_id: str, row_indices: Sequence[int]
+) -> dict[int, dict[PartKey, StoredPart]]:
+    """{row_index: {(level, part_index): part}} for the given documents."""
+    found: dict[int, dict[PartKey, StoredPart]] = {}
+    for start in range(0, len(row_indices), 1000):
+        chunk = list(row_indices[start : start + 1000])
+        rows = session.execute(
+            select(
+                SummaryPart.row_index,
+                SummaryPart.level,
+                SummaryPart.part_index,
+                SummaryPart.text,
+                SummaryPart.prompt_tokens,
+                SummaryPart.output_tokens,
+            ).where(SummaryPart.job_id == job_id, SummaryPart.row_index.in_(chunk))
+        )
+        for row in rows:
+            found.setdefault(row.row_index, {})[(row.level, row.part_index)] = StoredPart(
+                row.text, row.prompt_tokens, row.output_tokens
+            )
+    return found
+
+
+def window_counts(session: Session, job_id: str, start: int, stop: int) -> dict[int, int]:
+    """{row_index: number of windows} for documents in [start, stop) that were split."""
+    return dict(
+        session.execute(
+            select(SummaryPart.row_index, func.count())
+            .where(
+                SummaryPart.job_id == job_id,
+                SummaryPart.level == 0,
+                SummaryPart.row_index >= start,
+                SummaryPart.row_index < stop,
+            )
+            .group_by(SummaryPart.row_index)
+        ).all()
+    )
+
+
+@dataclass(frozen=True)
+class SummaryCounts:
+    documents_split: int  # documents summarized through windows (so far)
+    windows: int  # window requests stored
+    reduce_requests: int  # intermediate reduce requests stored + final reduces of finished documents
+
+
+def summary_counts(session: Session, job_id: str) -> SummaryCounts:
+    split, windows, intermediate = session.execute(
+        select(
+            func.count(distinct(SummaryPart.row_index)),
+            func.count().filter(SummaryPart.level == 0),
+            func.count().filter(SummaryPart.level > 0),
+        ).where(SummaryPart.job_id == job_id)
+    ).one()
+    split_rows = select(SummaryPart.row_index).where(SummaryPart.job_id == job_id).distinct()
+    final_reduces = session.scalar(
+        select(func.count())
+        .select_from(ResultRow)
+        .where(
+            ResultRow.job_id == job_id,
+            ResultRow.row_index.in_(split_rows),
+            ResultRow.finish_reason.in_([FinishReason.STOP.value, FinishReason.LENGTH.value]),
+        )
+    )
+    return SummaryCounts(int(split), int(windows), int(intermediate) + int(final_reduces or 0))

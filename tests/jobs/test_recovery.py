@@ -1,0 +1,129 @@
+"""The API's recovery sweep on real Postgres and Redis: a shard or finalize task with no message in
+the broker is re-sent once it is missing on two sweeps; one held under a live lease, or still queued,
+is left alone; a job abandoned mid-validation is deleted with its files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.recovery import Recovery, message_work
+from storage import job_store
+from storage.blobs import BlobStore, input_name
+from storage.db import make_engine, make_session_factory
+from storage.models import Job, utcnow
+from storage.settings import Settings
+from storage.shard_store import claim_shard, finish_shard
+from storage.status import JobStatus, ShardStatus
+
+MODEL = "recovery-model"
+
+
+@pytest.fixture
+def recovery(pg_url: str, redis_url: str, queue_prefix: str, tmp_path: Path) -> Iterator[Recovery]:
+    settings = Settings(
+        database_url=pg_url,
+        broker_url=redis_url,
+        data_dir=tmp_path / "data",
+        queue_prefix=f"{queue_prefix}-recovery-{tmp_path.name}",
+        recovery_interval_seconds=5,
+    )
+    engine = make_engine(pg_url)
+    sweeper = Recovery(
+        settings, make_session_factory(engine), BlobStore(settings.data_dir), CeleryDispatcher(settings)
+    )
+    yield sweeper
+    sweeper.redis.delete(queue_for_model(settings, MODEL))
+    sweeper.close()
+    engine.dispose()
+
+
+def old_job(recovery: Recovery, shards: int, status: JobStatus = JobStatus.QUEUED) -> str:
+    """A job created ten minutes ago (older than a sweep), with `shards` shards of one row."""
+    job_id = job_store.new_job_id()
+    recovery.blobs.write_text(input_name(job_id), "not read here")
+    with recovery.sessions() as session:
+        job_store.create_job(
+            session,
+            job_id=job_id,
+            tenant="recovery",
+            model=MODEL,
+            params={},
+            metadata={},
+            input_name=input_name(job_id),
+        )
+        if status != JobStatus.VALIDATING:
+            job_store.queue_job(session, job_id, shards, [[index] for index in range(shards)])
+        session.execute(
+            update(Job).where(Job.id == job_id).values(created_at=utcnow() - timedelta(minutes=10))
+        )
+        session.commit()
+    return job_id
+
+
+def queued_work(recovery: Recovery, job_id: str) -> list:
+    queue = queue_for_model(recovery.settings, MODEL)
+    return sorted(
+        (
+            work
+            for raw in recovery.redis.lrange(queue, 0, -1)
+            if (work := message_work(raw)) and work[1] == job_id
+        ),
+        key=str,
+    )
+
+
+def test_lost_shard_tasks_are_resent_after_two_sweeps(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=3)
+    with recovery.sessions() as session:
+        claim_shard(session, job_id, 0, "live-worker", lease_seconds=300)  # running: leave it
+        claim_shard(session, job_id, 1, "dead-worker", lease_seconds=-1)  # lease lapsed: lost
+    first = recovery.sweep()
+    assert first.shards_resent == [] and queued_work(recovery, job_id) == []  # missing once: suspects
+    second = recovery.sweep()
+    assert sorted(second.shards_resent) == [(job_id, 1), (job_id, 2)]
+    assert queued_work(recovery, job_id) == [(TASK_RUN_SHARD, job_id, 1), (TASK_RUN_SHARD, job_id, 2)]
+    third = recovery.sweep()  # the messages are there now: nothing more is sent
+    assert third.shards_resent == [] and len(queued_work(recovery, job_id)) == 2
+
+
+def test_a_queued_message_is_not_duplicated(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=2)
+    recovery.dispatcher.dispatch(job_id, MODEL, [0, 1])
+    for _ in range(3):
+        assert recovery.sweep().shards_resent == []
+    assert len(queued_work(recovery, job_id)) == 2
+
+
+def test_a_finished_job_whose_finalize_was_lost_is_finalized(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=1)
+    with recovery.sessions() as session:
+        claim_shard(session, job_id, 0, "w", lease_seconds=60)
+        finish_shard(session, job_id, 0, "w", ShardStatus.DONE, None)
+    recovery.sweep()
+    with recovery.sessions() as session:
+        assert job_store.job_status(session, job_id) == JobStatus.FINALIZING
+    assert recovery.sweep().finalize_resent == [job_id]
+    assert queued_work(recovery, job_id) == [(TASK_FINALIZE_JOB, job_id, None)]
+
+
+def test_a_job_abandoned_mid_validation_is_deleted(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=0, status=JobStatus.VALIDATING)
+    assert recovery.sweep().abandoned_deleted == []  # ten minutes is not abandoned yet
+    with recovery.sessions() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(created_at=utcnow() - timedelta(hours=2)))
+        session.commit()
+    assert recovery.sweep().abandoned_deleted == [job_id]
+    with recovery.sessions() as session:
+        assert job_store.get_job(session, job_id) is None
+    assert not recovery.blobs.path(f"jobs/{job_id}").exists()
+
+
+def test_messages_that_are_not_ours_are_ignored() -> None:
+    assert message_work(b"not json") is None
+    assert message_work(b'{"headers": {"task": "other.task"}, "body": "W1tdLCB7fSwge31d"}') is None

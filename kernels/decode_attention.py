@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from kernels import cpu_decode_attention
+
 from kernels._checks import (
     PagedCacheLayout,
     check_attention_heads,
@@ -283,7 +285,15 @@ def paged_decode_attention(
     block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 >= 1, the current token's K/V
     already in the cache. Caches as in write_kv_cache.
     """
-    attend = paged_decode_attention_triton if use_triton(query) else paged_decode_attention_torch
+    if use_triton(query):
+        attend = paged_decode_attention_triton
+    elif query.device.type == "cpu" and cpu_decode_attention.available():
+        _check_decode_args(
+            query, key_cache, value_cache, block_tables, context_lens, k_scale_cache, v_scale_cache
+        )
+        attend = cpu_decode_attention.paged_decode_attention_cpu
+    else:
+        attend = paged_decode_attention_torch
     return attend(
         query, key_cache, value_cache, block_tables, context_lens, scale, k_scale_cache, v_scale_cache
     )

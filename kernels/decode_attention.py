@@ -13,7 +13,6 @@ import math
 import torch
 
 from kernels import cpu_decode_attention
-
 from kernels._checks import (
     PagedCacheLayout,
     check_attention_heads,

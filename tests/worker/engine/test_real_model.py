@@ -74,7 +74,9 @@ def test_int8_perplexity_within_3_percent(llm_fp32: LLM, smollm2_path) -> None:
     texts = [t for t in texts if len(t) >= 16][:64]
     assert len(texts) == 64
     ppl_fp32 = perplexity(llm_fp32, texts)
-    int8 = LLM(str(smollm2_path), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.5)
+    # float32 activations isolate what INT8 weights and the INT8 KV cache cost; bfloat16 adds its own
+    # rounding on top (measured separately by the benchmark's agreement figure)
+    int8 = LLM(str(smollm2_path), dtype="float32", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.5)
     ppl_int8 = perplexity(int8, texts)
 
     params = SamplingParams(max_tokens=32)

@@ -16,14 +16,13 @@ from sqlalchemy import update
 from jobs.schemas import JobParams
 from jobs.service import JobService
 from storage import job_store
-from storage.blobs import BlobStore, results_name
-from storage.db import make_engine, make_session_factory
+from storage.blobs import results_name
 from storage.models import Job
 from storage.result_store import insert_results
-from storage.settings import Settings
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
 from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
+from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.shard_runner import ShardRetry, WorkerContext, run_shard
@@ -33,25 +32,8 @@ TENANT = "runner-tests"
 
 @pytest.fixture(scope="module")
 def ctx(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerContext]:  # noqa: F811
-    settings = Settings(
-        database_url=pg_url,
-        home=tmp_path_factory.mktemp("home"),
-        data_dir=tmp_path_factory.mktemp("data"),
-        shard_size=8,
-        max_model_len=512,
-        max_num_seqs=16,
-        max_num_batched_tokens=1024,
-        kv_cache_memory_gb=0.25,
-        num_threads=1,
-        result_chunk_rows=2,
-        cancel_poll_seconds=0.2,
-        shard_max_attempts=2,
-    )
-    engine = make_engine(pg_url)
-    yield WorkerContext(
-        settings=settings, sessions=make_session_factory(engine), blobs=BlobStore(settings.data_dir)
-    )
-    engine.dispose()
+    with worker_context(pg_url, tmp_path_factory, cancel_poll_seconds=0.2, shard_max_attempts=2) as context:
+        yield context
 
 
 @pytest.fixture(scope="module")

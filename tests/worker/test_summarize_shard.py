@@ -17,15 +17,14 @@ from sqlalchemy import select
 from jobs.sample_docs import sample_docs_table
 from jobs.schemas import JobParams
 from jobs.service import JobService
-from storage.blobs import BlobStore, results_name
-from storage.db import make_engine, make_session_factory
+from storage.blobs import results_name
 from storage.models import SummaryPart
 from storage.result_store import insert_results
-from storage.settings import Settings
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
 from storage.summary_store import insert_parts
 from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
+from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.shard_runner import WorkerContext, run_shard
@@ -36,23 +35,8 @@ LONG_TIME_AGO = datetime(2020, 1, 1, tzinfo=UTC)
 
 @pytest.fixture(scope="module")
 def ctx(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerContext]:  # noqa: F811
-    settings = Settings(
-        database_url=pg_url,
-        home=tmp_path_factory.mktemp("home"),
-        data_dir=tmp_path_factory.mktemp("data"),
-        shard_size=8,
-        max_model_len=512,
-        max_num_seqs=16,
-        max_num_batched_tokens=1024,
-        kv_cache_memory_gb=0.25,
-        num_threads=1,
-        result_chunk_rows=2,
-    )
-    engine = make_engine(pg_url)
-    yield WorkerContext(
-        settings=settings, sessions=make_session_factory(engine), blobs=BlobStore(settings.data_dir)
-    )
-    engine.dispose()
+    with worker_context(pg_url, tmp_path_factory) as context:
+        yield context
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+"""An in-process worker context on a real Postgres database, shared by the shard-runner tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from storage.blobs import BlobStore
+from storage.db import make_engine, make_session_factory
+from storage.settings import Settings
+from worker.shard_runner import WorkerContext
+
+
+@contextmanager
+def worker_context(
+    pg_url: str, tmp_path_factory: pytest.TempPathFactory, **overrides
+) -> Iterator[WorkerContext]:
+    """Small engine limits and one torch thread, so shards of the tiny model run fast beside other tests."""
+    settings = Settings(
+        database_url=pg_url,
+        home=tmp_path_factory.mktemp("home"),
+        data_dir=tmp_path_factory.mktemp("data"),
+        shard_size=8,
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=1024,
+        kv_cache_memory_gb=0.25,
+        num_threads=1,
+        result_chunk_rows=2,
+        **overrides,
+    )
+    engine = make_engine(pg_url)
+    try:
+        yield WorkerContext(
+            settings=settings, sessions=make_session_factory(engine), blobs=BlobStore(settings.data_dir)
+        )
+    finally:
+        engine.dispose()

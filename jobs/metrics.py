@@ -1,5 +1,6 @@
-"""A job's cost metrics, from its stored rows (token counts) and its shards' engine stats (device time,
-padding, batch size, KV use). Used at finalize and, for a running job, on every metrics request."""
+"""A job's cost metrics, from its stored rows (token counts) and the engine counters of every attempt
+at its shards (device time, padding, batch size, KV use), the attempts that failed, were handed back
+or died included. Used at finalize and, for a running job, on every metrics request."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from storage.attempt_store import attempt_totals, attempted_shards
 from storage.job_store import seconds_between
-from storage.models import Job, ResultRow, utcnow
+from storage.models import Job, ResultRow, Shard, utcnow
 from storage.result_store import token_sums
 from storage.settings import Settings
 from storage.shard_store import shards_of
 from storage.status import FinishReason
 from storage.summary_store import summary_counts
 
-# Engine counters that add up across shards (each shard records its own difference).
+# Engine counters that add up across attempts (each attempt records its own difference).
 SUMMED_STATS = ("steps", "computed_tokens", "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds")
 
 
@@ -33,13 +35,7 @@ def compute_metrics(
         ).all()
     )
     shards = shards_of(session, job.id)
-    totals = dict.fromkeys(SUMMED_STATS, 0.0)
-    peak_kv = 0.0
-    for shard in shards:
-        engine = (shard.stats or {}).get("engine", {})
-        for name in SUMMED_STATS:
-            totals[name] += float(engine.get(name, 0))
-        peak_kv = max(peak_kv, float(engine.get("peak_kv_utilization", 0.0)))
+    totals, peak_kv = _engine_totals(session, job.id, shards)
 
     end = finished_at or job.finished_at or utcnow()
     wall = seconds_between(job.started_at, end)
@@ -71,6 +67,23 @@ def compute_metrics(
         "shards": len(shards),
         **_summary_metrics(session, job),
     }
+
+
+def _engine_totals(session: Session, job_id: str, shards: list[Shard]) -> tuple[dict[str, float], float]:
+    """SUMMED_STATS over every attempt of every shard, and the peak KV use over the job. A shard's own
+    stats hold only the attempt that finished it; they stand in for attempts only for a shard with no
+    attempt rows (finished before they were recorded)."""
+    spent = attempt_totals(session, job_id=job_id)
+    totals = {name: spent.get(name, 0.0) for name in SUMMED_STATS}
+    peak_kv = spent.get("peak_kv_utilization", 0.0)
+    attempted = attempted_shards(session, job_id=job_id)
+    for shard in shards:
+        engine = (shard.stats or {}).get("engine", {})
+        if shard.shard_index not in attempted:
+            for name in SUMMED_STATS:
+                totals[name] += float(engine.get(name, 0))
+        peak_kv = max(peak_kv, float(engine.get("peak_kv_utilization", 0.0)))
+    return totals, peak_kv
 
 
 def _summary_metrics(session: Session, job: Job) -> dict[str, int]:

@@ -10,35 +10,17 @@ and ninja are required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch pa
 from __future__ import annotations
 
 import functools
-import logging
-import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
+from kernels._cpu_build import build_extension
 
 
 @functools.cache
 def load_extension() -> ModuleType | None:
     """The compiled module, or None when it cannot be built here (logged once)."""
-    if os.environ.get("FREIGHT_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name="freight_decode_attention_cpu",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", exc)
-        return None
+    return build_extension("freight_decode_attention_cpu", "decode_attention_cpu.cpp", fast_math=True)
 
 
 def available() -> bool:
@@ -62,7 +44,7 @@ def paged_decode_attention_cpu(
     width = block_tables.shape[1] * key_cache.shape[1]
     if query.shape[0] and not 1 <= int(context_lens.min()) <= int(context_lens.max()) <= width:
         raise ValueError(f"context_lens must lie in [1, {width}] (block_tables width x block_size)")
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     q = (query.float() * scale).contiguous()
     extension.paged_decode_attention_cpu(
         q, key_cache.contiguous(), value_cache.contiguous(),
@@ -70,4 +52,4 @@ def paged_decode_attention_cpu(
         None if v_scale_cache is None else v_scale_cache.contiguous(),
         block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(), out,
     )  # fmt: skip
-    return out
+    return out.to(query.dtype)

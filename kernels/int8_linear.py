@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_int8_linear
 from kernels._checks import FLOAT_DTYPES, INT8_SCALE_EPS, check_float_tensor, check_same_device
 from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl, use_triton
 
@@ -128,9 +129,18 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return x_q, x_scale
 
 
+def _compiled_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and cpu_int8_linear.available()
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32), symmetric per row: absmax / 127."""
-    return quantize_per_token_triton(x) if use_triton(x) else quantize_per_token_torch(x)
+    if use_triton(x):
+        return quantize_per_token_triton(x)
+    if _compiled_cpu(x):
+        _check_rows(x)
+        return cpu_int8_linear.quantize_per_token_cpu(x)
+    return quantize_per_token_torch(x)
 
 
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,13 +221,48 @@ def int8_linear_triton(
     return y
 
 
+def _check_residual(residual: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    if residual is not None and tuple(residual.shape) != shape:
+        raise ValueError(f"residual must have shape {list(shape)}, got {tuple(residual.shape)}")
+
+
 def int8_linear(
     x: torch.Tensor,
     w_q_t: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] float, w_q_t int8 [K, N], w_scale float32 [N] -> y [M, N] in out_dtype (default x.dtype)."""
+    """x [M, K] float, w_q_t int8 [K, N], w_scale float32 [N] -> y [M, N] in out_dtype (default x.dtype).
+
+    residual [M, N], when given, is added to y (fused into the output pass on CPU).
+    """
+    if _compiled_cpu(x) and not use_triton(x):
+        out_dtype = _check_linear_args(x, w_q_t, w_scale, bias, out_dtype)
+        _check_residual(residual, (x.shape[0], w_q_t.shape[1]))
+        return cpu_int8_linear.int8_linear_cpu(x, w_q_t, w_scale, bias, out_dtype, residual)
     linear = int8_linear_triton if use_triton(x) else int8_linear_torch
-    return linear(x, w_q_t, w_scale, bias, out_dtype)
+    y = linear(x, w_q_t, w_scale, bias, out_dtype)
+    _check_residual(residual, tuple(y.shape))
+    return y if residual is None else y.add_(residual)
+
+
+def int8_linear_silu_mul(
+    x: torch.Tensor,
+    w_q_t: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A gated MLP's input projection: y = x @ W (W's columns: gate, then up) -> silu(gate) * up.
+
+    x [M, K] float, w_q_t int8 [K, 2 * I], w_scale float32 [2 * I] -> [M, I] in out_dtype (default x.dtype).
+    On CPU the gate and up halves are never stored: the SiLU and product happen in the output pass.
+    """
+    if w_q_t.dim() != 2 or w_q_t.shape[1] % 2:
+        raise ValueError(f"w_q_t must be [K, 2 * I] (gate, then up), got {tuple(w_q_t.shape)}")
+    if _compiled_cpu(x) and not use_triton(x):
+        out_dtype = _check_linear_args(x, w_q_t, w_scale, None, out_dtype)
+        return cpu_int8_linear.int8_linear_silu_mul_cpu(x, w_q_t, w_scale, out_dtype)
+    gate, up = int8_linear(x, w_q_t, w_scale, None, out_dtype).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -202,14 +202,23 @@ def paged_prefill_attention_torch(
     scale: float,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel)."""
+    """One fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel).
+
+    key/value [num_tokens, kv_heads, head_dim], when given, are this chunk's keys and values as they were
+    written: a sequence with no cached prefix attends to them directly, with no gather from the cache and
+    no dequantization (and, with an INT8 cache, without its rounding).
+    """
     layout, group = _check_prefill_args(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, k_scale_cache, v_scale_cache
     )
     out = torch.empty_like(query)
+    if key is not None and value is not None and (key.shape != value.shape or key.shape[0] != query.shape[0]):
+        raise ValueError(f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}")
     starts = query_start_loc.tolist()
-    dtype = compute_dtype(query.dtype, key_cache.dtype)
+    cache_dtype = compute_dtype(query.dtype, key_cache.dtype)
     for seq, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
@@ -220,9 +229,15 @@ def paged_prefill_attention_torch(
             raise ValueError(
                 f"sequence {seq}: {q_len} queries but seq_lens = {seq_len} with {block_tables.shape[1]} blocks"
             )
-        block_ids = block_tables[seq, :num_blocks]
-        keys = _read_sequence(key_cache, k_scale_cache, block_ids, seq_len, dtype)  # [kv_heads, seq_len, D]
-        values = _read_sequence(value_cache, v_scale_cache, block_ids, seq_len, dtype)
+        if q_len == seq_len and key is not None and value is not None:
+            dtype = query.dtype
+            keys = key[q_start:q_end].transpose(0, 1).to(dtype)  # [kv_heads, seq_len, D]
+            values = value[q_start:q_end].transpose(0, 1).to(dtype)
+        else:
+            dtype = cache_dtype
+            block_ids = block_tables[seq, :num_blocks]
+            keys = _read_sequence(key_cache, k_scale_cache, block_ids, seq_len, dtype)  # [kv_heads, seq_len, D]
+            values = _read_sequence(value_cache, v_scale_cache, block_ids, seq_len, dtype)
         q = query[q_start:q_end].transpose(0, 1).to(dtype)  # [num_heads, q_len, D]
         if q_len == seq_len:
             mask, causal = None, True
@@ -247,21 +262,18 @@ def paged_prefill_attention(
     scale: float,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] packed -> out [num_tokens, num_heads, head_dim] in query dtype.
 
     query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32 (cached prefix + this chunk);
-    block_tables [num_seqs, max_blocks] int32. Caches as in write_kv_cache.
+    block_tables [num_seqs, max_blocks] int32. Caches as in write_kv_cache. key/value: optionally this
+    chunk's unquantized keys and values; the CPU path attends to them for sequences without a cached
+    prefix (the Triton kernel always reads the cache).
     """
-    attend = paged_prefill_attention_triton if use_triton(query) else paged_prefill_attention_torch
-    return attend(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        scale,
-        k_scale_cache,
-        v_scale_cache,
-    )
+    args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale_cache,
+            v_scale_cache)  # fmt: skip
+    if use_triton(query):
+        return paged_prefill_attention_triton(*args)
+    return paged_prefill_attention_torch(*args, key=key, value=value)

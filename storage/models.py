@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), result rows, status events."""
+"""SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events."""
 
 from __future__ import annotations
 
@@ -80,6 +80,27 @@ class Shard(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # engine stats + timeline
     error: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class ShardAttempt(Base):
+    """One run of a shard by one worker, from its claim to however it ended, with the engine counters
+    it spent. A shard's own stats are written only by the attempt that finishes it; these rows keep
+    the cost of the attempts that failed, were handed back or died, so the job's metrics count them."""
+
+    __tablename__ = "shard_attempts"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    shard_index: Mapped[int] = mapped_column(Integer)
+    owner: Mapped[str] = mapped_column(String(200))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # running until the attempt ends: done | cancelled | failed | retry | handed_back | lease_lost
+    outcome: Mapped[str] = mapped_column(String(20))
+    # Engine counters spent so far (worker/engine_stats.py COUNTERS, plus peak_kv_utilization).
+    counters: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+    __table_args__ = (Index("ix_shard_attempts_job_id_shard_index", "job_id", "shard_index"),)
 
 
 class ResultRow(Base):

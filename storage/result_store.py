@@ -22,15 +22,17 @@ RESULT_COLUMNS = (
 )
 
 
-def insert_results(session: Session, rows: Sequence[dict[str, Any]]) -> int:
-    """Insert rows, skipping any (job_id, row_index) already stored; commits. Returns rows sent."""
+def insert_results(session: Session, rows: Sequence[dict[str, Any]], *, commit: bool = True) -> int:
+    """Insert rows, skipping any (job_id, row_index) already stored; commits unless commit=False (the
+    caller adds to the transaction first). Returns rows sent."""
     if not rows:
         return 0
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = insert(ResultRow).on_conflict_do_nothing(index_elements=["job_id", "row_index"])
     session.execute(statement, [_storable(row) for row in rows])
-    session.commit()
+    if commit:
+        session.commit()
     return len(rows)
 
 

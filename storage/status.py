@@ -32,6 +32,19 @@ class ShardStatus(StrEnum):
 FINAL_SHARD_STATUSES = frozenset({ShardStatus.DONE, ShardStatus.CANCELLED, ShardStatus.FAILED})
 
 
+class AttemptOutcome(StrEnum):
+    """How one attempt at a shard ended (a shard_attempts row); RUNNING until it does. A worker that
+    was killed leaves its attempt RUNNING."""
+
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"  # the last attempt failed: the shard's remaining rows are error rows
+    RETRY = "retry"  # failed, and the shard was handed back for another attempt
+    HANDED_BACK = "handed_back"  # the worker is shutting down (SIGTERM)
+    LEASE_LOST = "lease_lost"  # the lease lapsed and another worker took the shard over
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"

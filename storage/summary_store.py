@@ -25,8 +25,9 @@ class StoredPart:
 PartKey = tuple[int, int]  # (level, part_index)
 
 
-def insert_parts(session: Session, rows: Sequence[dict[str, Any]]) -> int:
-    """Insert parts, keeping the first one stored for each (job, row, level, part); commits."""
+def insert_parts(session: Session, rows: Sequence[dict[str, Any]], *, commit: bool = True) -> int:
+    """Insert parts, keeping the first one stored for each (job, row, level, part); commits unless
+    commit=False (the caller adds to the transaction first)."""
     if not rows:
         return 0
     dialect = session.get_bind().dialect.name
@@ -35,7 +36,8 @@ def insert_parts(session: Session, rows: Sequence[dict[str, Any]]) -> int:
         index_elements=["job_id", "row_index", "level", "part_index"]
     )
     session.execute(statement, list(rows))
-    session.commit()
+    if commit:
+        session.commit()
     return len(rows)
 
 

@@ -1,5 +1,6 @@
 """A shard's share of the engine's cumulative stats: counters before and after, and the timeline
-samples taken while it ran (thinned to a bounded number of points)."""
+samples taken while it ran (thinned to a bounded number of points). `spent_since` is the same share
+taken while an attempt is still running (what its shard_attempts row stores)."""
 
 from __future__ import annotations
 
@@ -31,19 +32,34 @@ def snapshot(stats: EngineStats) -> StatsSnapshot:
     return StatsSnapshot({name: getattr(stats, name) for name in COUNTERS}, last_t)
 
 
+def spent_since(before: StatsSnapshot, after: EngineStats) -> dict[str, float]:
+    """What the engine spent since `before` (one attempt at a shard, so far): each counter's
+    difference, and the peak KV use over the same span."""
+    return _spent(before, after, _samples_since(before, after))
+
+
 def shard_stats(before: StatsSnapshot, after: EngineStats, max_points: int) -> dict[str, Any]:
-    engine: dict[str, Any] = {name: getattr(after, name) - before.counters[name] for name in COUNTERS}
-    engine["busy_seconds"] = round(engine["busy_seconds"], 4)
-    timeline = [dict(point) for point in after.timeline if point["t"] > before.last_t]
-    if after.num_kv_blocks and timeline:
-        engine["peak_kv_utilization"] = round(
-            max(p["kv_blocks_used"] for p in timeline) / after.num_kv_blocks, 4
-        )
-    else:
-        # No sample fell inside this shard (a very short one): the engine's lifetime peak bounds it.
-        engine["peak_kv_utilization"] = round(after.peak_kv_utilization, 4)
+    timeline = [dict(point) for point in _samples_since(before, after)]  # copies: stored with the shard
+    engine: dict[str, Any] = _spent(before, after, timeline)
     engine["num_kv_blocks"] = after.num_kv_blocks
     if len(timeline) > max_points:
         stride = -(-len(timeline) // max_points)
         timeline = timeline[::stride]
     return {"engine": engine, "timeline": timeline}
+
+
+def _samples_since(before: StatsSnapshot, after: EngineStats) -> list[dict[str, float]]:
+    return [point for point in after.timeline if point["t"] > before.last_t]
+
+
+def _spent(before: StatsSnapshot, after: EngineStats, timeline: list[dict[str, float]]) -> dict[str, float]:
+    spent = {name: getattr(after, name) - before.counters[name] for name in COUNTERS}
+    spent["busy_seconds"] = round(spent["busy_seconds"], 4)
+    if after.num_kv_blocks and timeline:
+        spent["peak_kv_utilization"] = round(
+            max(p["kv_blocks_used"] for p in timeline) / after.num_kv_blocks, 4
+        )
+    else:
+        # No sample fell inside this span (a very short one): the engine's lifetime peak bounds it.
+        spent["peak_kv_utilization"] = round(after.peak_kv_utilization, 4)
+    return spent

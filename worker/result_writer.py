@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -15,6 +15,9 @@ from storage.result_store import insert_results
 from storage.settings import Settings
 from storage.shard_store import renew_lease
 from storage.status import JobStatus
+
+if TYPE_CHECKING:  # the meter reads the engine's stats; this module stays free of the engine import
+    from worker.attempt_meter import AttemptMeter
 
 
 @dataclass
@@ -53,6 +56,7 @@ class ResultWriter:
         rows_done: int,
         on_progress: ProgressCallback | None,
         engine_tokens: Callable[[], int] | None = None,
+        attempt: AttemptMeter | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
@@ -63,6 +67,7 @@ class ResultWriter:
         self.rows_done = rows_done
         self.on_progress = on_progress
         self.engine_tokens = engine_tokens  # tokens the engine has run since the shard started
+        self.attempt = attempt  # this attempt's engine cost, stored at each flush and heartbeat
         self.pending: list[dict[str, Any]] = []
         self.tokens_done = 0
         self.started = time.monotonic()
@@ -80,7 +85,12 @@ class ResultWriter:
         if not self.pending:
             return
         with self.sessions() as session:
-            insert_results(session, self.pending)
+            # The rows and what the engine has spent so far commit together: a worker killed after
+            # this leaves both, one killed before leaves neither (its next attempt pays for the rows).
+            insert_results(session, self.pending, commit=False)
+            if self.attempt is not None:
+                self.attempt.record(session, commit=False)
+            session.commit()
         self.rows_done += len(self.pending)
         self.tokens_done += sum(row["prompt_tokens"] + row["output_tokens"] for row in self.pending)
         self.pending.clear()
@@ -120,6 +130,9 @@ class ResultWriter:
                 ):
                     self.lease_lost = True
                     return True
+                if self.attempt is not None:
+                    # A long request stores no row for a while: the heartbeat keeps its cost current.
+                    self.attempt.record(session)
         if now - self.last_cancel_check >= settings.cancel_poll_seconds:
             self.last_cancel_check = now
             with self.sessions() as session:

@@ -1,6 +1,8 @@
 """Run one shard: claim it, skip rows already stored, build and tokenize prompts, run the engine
 (shortest first), write rows as they finish, record the shard's engine stats, and say whether the
-job is ready to finalize. The Celery task and the embedded `freight run` both call `run_shard`."""
+job is ready to finalize. Each run is an attempt (a shard_attempts row) that keeps the engine counters
+it spent however it ends, so the job's cost counts failed and interrupted runs too. The Celery task
+and the embedded `freight run` both call `run_shard`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,9 +26,10 @@ from storage.blobs import BlobStore
 from storage.result_store import insert_results, stored_row_indices
 from storage.settings import Settings
 from storage.shard_store import Claim, claim_shard, finish_shard, get_shard, release_shard, unfinished_shards
-from storage.status import FinishReason, JobStatus, ShardStatus
+from storage.status import AttemptOutcome, FinishReason, JobStatus, ShardStatus
+from worker.attempt_meter import AttemptMeter
 from worker.engine import LLM, SamplingParams
-from worker.engine_stats import shard_stats, snapshot
+from worker.engine_stats import shard_stats
 from worker.inputs import read_rows
 from worker.llm_pool import LLMPool
 from worker.result_writer import ProgressCallback, ResultWriter
@@ -99,16 +103,24 @@ def run_shard(
         outcome.ready_to_finalize = ready_to_finalize(ctx, job_id)
     if claim != Claim.CLAIMED:
         return outcome
+    meter = AttemptMeter()
     try:
+        with ctx.sessions() as session:
+            meter.start(session, job_id=job_id, shard_index=shard_index, owner=owner)
         with pool.lock:
-            outcome.status, outcome.rows_written = _execute(
-                ctx, pool, job_id, shard_index, owner, on_progress
-            )
+            try:
+                outcome.status, outcome.rows_written = _execute(
+                    ctx, pool, meter, job_id, shard_index, owner, on_progress
+                )
+            finally:
+                # Past the lock the engine's counters move for another shard: a failure recorded
+                # below must not count that shard's work.
+                meter.freeze()
     except ShardHandedBack as handed_back:
         outcome.handed_back, outcome.rows_written = True, handed_back.rows_written
         return outcome
     except Exception as exc:
-        outcome.status = _after_failure(ctx, job_id, shard_index, owner, exc)
+        outcome.status = _after_failure(ctx, meter, job_id, shard_index, owner, exc)
     if outcome.status is not None:
         outcome.ready_to_finalize = ready_to_finalize(ctx, job_id)
     return outcome
@@ -132,6 +144,7 @@ def ready_to_finalize(ctx: WorkerContext, job_id: str) -> bool:
 def _execute(
     ctx: WorkerContext,
     pool: LLMPool,
+    meter: AttemptMeter,
     job_id: str,
     shard_index: int,
     owner: str,
@@ -141,7 +154,7 @@ def _execute(
         job = job_store.get_job(session, job_id)
         shard = get_shard(session, job_id, shard_index)
         if job.cancel_requested:
-            finish_shard(session, job_id, shard_index, owner, ShardStatus.CANCELLED, None)
+            _finish(session, meter, job_id, shard_index, owner, ShardStatus.CANCELLED, None)
             return ShardStatus.CANCELLED, 0
         job_store.transition(session, job_id, JobStatus.IN_PROGRESS, from_statuses=[JobStatus.QUEUED])
         stored = stored_row_indices(session, job_id, shard.row_indices)
@@ -156,6 +169,7 @@ def _execute(
         rows_total=len(shard.row_indices),
         rows_done=len(stored),
         on_progress=on_progress,
+        attempt=meter,
     )
     input_path = ctx.blobs.path(job.input_name)
     schema = pq.read_schema(input_path)
@@ -163,7 +177,7 @@ def _execute(
     extra = [name for name in (*OVERRIDE_COLUMNS, "custom_id") if name in schema.names]
     records = read_rows(input_path, todo, list(dict.fromkeys([*source.columns, *extra])))
     llm = pool.get(params)
-    before = snapshot(llm.stats)
+    before = meter.watch(llm)
     writer.engine_tokens = lambda: int(llm.stats.computed_tokens - before.counters["computed_tokens"])
 
     def should_stop() -> bool:
@@ -171,22 +185,42 @@ def _execute(
 
     poll_seconds = min(0.5, ctx.settings.cancel_poll_seconds)
     if params.summarize is not None:
-        parts = PartWriter(ctx.sessions, job_id, shard_index, ctx.settings.result_chunk_rows)
+        parts = PartWriter(ctx.sessions, job_id, shard_index, ctx.settings.result_chunk_rows, meter)
         rows_run = summarize_rows(llm, params, records, writer, parts, should_stop, poll_seconds)
     else:
         rows_run = _generate(llm, source, params, records, writer, should_stop, poll_seconds)
     writer.flush()
     if ctx.stopping.is_set() and not (writer.cancelled or writer.lease_lost) and rows_run > 0:
-        _hand_back(ctx, job_id, shard_index, owner, writer.rows_done - len(stored))
+        _hand_back(ctx, meter, job_id, shard_index, owner, writer.rows_done - len(stored))
     if writer.lease_lost:
         log.warning("lost the lease on %s shard %d; another worker has it", job_id, shard_index)
+        with ctx.sessions() as session:
+            meter.record(session, AttemptOutcome.LEASE_LOST)
         return None, writer.rows_done - len(stored)
     status = ShardStatus.CANCELLED if writer.cancelled else ShardStatus.DONE
     stats = shard_stats(before, llm.stats, ctx.settings.timeline_max_points)
     stats.update(rows=len(shard.row_indices), rows_run=rows_run)
     with ctx.sessions() as session:
-        finish_shard(session, job_id, shard_index, owner, status, stats)
+        _finish(session, meter, job_id, shard_index, owner, status, stats)
     return status, writer.rows_done - len(stored)
+
+
+def _finish(
+    session: Session,
+    meter: AttemptMeter,
+    job_id: str,
+    shard_index: int,
+    owner: str,
+    status: ShardStatus,
+    stats: dict[str, Any] | None,
+    error: str | None = None,
+) -> None:
+    """Finish the shard and end the attempt in one transaction, so a finished shard's cost is all
+    stored by the time the job is finalized. When another worker took the shard over first, the
+    attempt ends as lease_lost instead (that worker's attempt finishes the shard)."""
+    meter.record(session, AttemptOutcome(status), commit=False)
+    if not finish_shard(session, job_id, shard_index, owner, status, stats, error=error):  # commits
+        meter.record(session, AttemptOutcome.LEASE_LOST)
 
 
 def _generate(
@@ -207,31 +241,38 @@ def _generate(
         should_cancel=should_stop,
         cancel_poll_seconds=poll_seconds,
     )
-    for out in stream:
-        row = prepared[out.index]
-        writer.add(
-            {
-                "row_index": row.row_index,
-                "custom_id": row.custom_id,
-                "output_text": out.text,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "output_tokens": len(out.output_token_ids),
-                "finish_reason": out.finish_reason,
-                "error": out.error,
-            }
-        )
+    # Closed here when a row's insert raises, while this shard still holds the engine: left to the
+    # garbage collector, the suspended stream would abort its requests whenever it is collected, in
+    # the middle of the next shard's stream, which would end with its rows unwritten.
+    with closing(stream):
+        for out in stream:
+            row = prepared[out.index]
+            writer.add(
+                {
+                    "row_index": row.row_index,
+                    "custom_id": row.custom_id,
+                    "output_text": out.text,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "output_tokens": len(out.output_token_ids),
+                    "finish_reason": out.finish_reason,
+                    "error": out.error,
+                }
+            )
     return len(prepared)
 
 
-def _hand_back(ctx: WorkerContext, job_id: str, shard_index: int, owner: str, rows_written: int) -> None:
+def _hand_back(
+    ctx: WorkerContext, meter: AttemptMeter, job_id: str, shard_index: int, owner: str, rows_written: int
+) -> None:
     """Release the shard unless every row finished anyway; the caller requeues its task."""
     with ctx.sessions() as session:
         remaining = set(get_shard(session, job_id, shard_index).row_indices)
         if len(stored_row_indices(session, job_id, sorted(remaining))) == len(remaining):
             return  # the shard finished before the stop took effect: finish it normally
-        release_shard(
+        released = release_shard(
             session, job_id, shard_index, owner, "handed back: worker shutting down", count_attempt=False
         )
+        meter.record(session, AttemptOutcome.HANDED_BACK if released else AttemptOutcome.LEASE_LOST)
     log.warning(
         "worker shutting down: handed back %s shard %d after %d rows", job_id, shard_index, rows_written
     )
@@ -324,7 +365,9 @@ def _error_row(index: int, record: dict[str, Any], problem: str) -> dict[str, An
     }
 
 
-def _after_failure(ctx: WorkerContext, job_id: str, shard_index: int, owner: str, exc: Exception) -> str:
+def _after_failure(
+    ctx: WorkerContext, meter: AttemptMeter, job_id: str, shard_index: int, owner: str, exc: Exception
+) -> str:
     """Hand the shard back for another try, or after shard_max_attempts make its remaining rows error
     rows so the job can still finish. Returns the shard's final status, or raises ShardRetry."""
     message = f"{exc.__class__.__name__}: {exc}"[:MAX_ERROR_CHARS]  # a database error quotes its SQL
@@ -335,7 +378,11 @@ def _after_failure(ctx: WorkerContext, job_id: str, shard_index: int, owner: str
     with ctx.sessions() as session:
         shard = get_shard(session, job_id, shard_index)
         if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
-            release_shard(session, job_id, shard_index, owner, message, count_attempt=not disconnected)
+            released = release_shard(
+                session, job_id, shard_index, owner, message, count_attempt=not disconnected
+            )
+            # What the failed attempt ran is part of the job's cost (the retry reruns its unstored rows).
+            meter.record(session, AttemptOutcome.RETRY if released else AttemptOutcome.LEASE_LOST)
             raise ShardRetry(message) from exc
         stored = stored_row_indices(session, job_id, shard.row_indices)
         missing = [index for index in shard.row_indices if index not in stored]
@@ -352,7 +399,7 @@ def _after_failure(ctx: WorkerContext, job_id: str, shard_index: int, owner: str
                 for index in missing
             ],
         )
-        finish_shard(session, job_id, shard_index, owner, ShardStatus.FAILED, None, error=message)
+        _finish(session, meter, job_id, shard_index, owner, ShardStatus.FAILED, None, error=message)
     return ShardStatus.FAILED
 
 

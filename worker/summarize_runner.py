@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs.schemas import ResolvedParams
 from storage.status import FinishReason
 from storage.summary_store import insert_parts, parts_of
+from worker.attempt_meter import AttemptMeter
 from worker.engine import LLM, SamplingParams
 from worker.map_reduce import LongDocument, RequestKind, SummaryPrompts, SummaryRequest
 from worker.result_writer import ResultWriter
@@ -26,12 +28,18 @@ class PartWriter:
     """Buffers partial summaries and stores them in chunks; reads back what is stored."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], job_id: str, shard_index: int, chunk_rows: int
+        self,
+        sessions: sessionmaker[Session],
+        job_id: str,
+        shard_index: int,
+        chunk_rows: int,
+        attempt: AttemptMeter | None = None,
     ) -> None:
         self.sessions = sessions
         self.job_id = job_id
         self.shard_index = shard_index
         self.chunk_rows = chunk_rows
+        self.attempt = attempt  # the parts' engine cost is stored with them (see ResultWriter.flush)
         self.pending: list[dict[str, Any]] = []
 
     def add(self, request: SummaryRequest, text: str, prompt_tokens: int, output_tokens: int) -> None:
@@ -53,7 +61,10 @@ class PartWriter:
     def flush(self) -> None:
         if self.pending:
             with self.sessions() as session:
-                insert_parts(session, self.pending)
+                insert_parts(session, self.pending, commit=False)
+                if self.attempt is not None:
+                    self.attempt.record(session, commit=False)
+                session.commit()
             self.pending.clear()
 
     def load(self, documents: dict[int, LongDocument]) -> None:
@@ -167,36 +178,38 @@ def _run_round(
         should_cancel=stop,
         cancel_poll_seconds=cancel_poll_seconds,
     )
-    for out in stream:
-        request = requests[out.index]
-        prompt_tokens, output_tokens = len(out.prompt_token_ids), len(out.output_token_ids)
-        document = long_documents.get(request.row_index)
-        if request.row_index in failed:
-            continue
-        if request.kind.gives_result or out.error is not None:
-            if document is not None:
-                earlier_prompt, earlier_output = document.stored_tokens()
-                prompt_tokens += earlier_prompt
-                output_tokens += earlier_output
-            error = out.error
-            if error is not None and document is not None:
-                error = f"{request.kind} {request.level}.{request.part_index} failed: {error}"
-                failed.add(request.row_index)
-            text = out.text if out.error is None else ""
-            reason = out.finish_reason if out.error is None else FinishReason.ERROR.value
-            writer.add(
-                _row(
-                    request.row_index,
-                    custom_ids[request.row_index],
-                    text,
-                    prompt_tokens,
-                    output_tokens,
-                    reason,
-                    error,
+    # Closed while this shard holds the engine (see shard_runner._generate).
+    with closing(stream):
+        for out in stream:
+            request = requests[out.index]
+            prompt_tokens, output_tokens = len(out.prompt_token_ids), len(out.output_token_ids)
+            document = long_documents.get(request.row_index)
+            if request.row_index in failed:
+                continue
+            if request.kind.gives_result or out.error is not None:
+                if document is not None:
+                    earlier_prompt, earlier_output = document.stored_tokens()
+                    prompt_tokens += earlier_prompt
+                    output_tokens += earlier_output
+                error = out.error
+                if error is not None and document is not None:
+                    error = f"{request.kind} {request.level}.{request.part_index} failed: {error}"
+                    failed.add(request.row_index)
+                text = out.text if out.error is None else ""
+                reason = out.finish_reason if out.error is None else FinishReason.ERROR.value
+                writer.add(
+                    _row(
+                        request.row_index,
+                        custom_ids[request.row_index],
+                        text,
+                        prompt_tokens,
+                        output_tokens,
+                        reason,
+                        error,
+                    )
                 )
-            )
-        else:
-            parts.add(request, out.text, prompt_tokens, output_tokens)
+            else:
+                parts.add(request, out.text, prompt_tokens, output_tokens)
     return failed
 
 

@@ -15,8 +15,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from jobs.client import FreightClient
+from storage.attempt_store import attempts_of
 from storage.db import make_engine, make_session_factory
-from storage.models import ResultRow, Shard
+from storage.models import ResultRow, Shard, ShardAttempt
 from storage.shard_store import shards_of
 from tests.jobs.service_fixtures import Process, ServiceEnv
 
@@ -82,6 +83,11 @@ class ServiceDB:
                 )
                 for shard in shards_of(session, job_id)
             ]
+
+    def attempts(self, job_id: str) -> list[ShardAttempt]:
+        """Every attempt at the job's shards, oldest first (read-only copies)."""
+        with self.session() as session:
+            return attempts_of(session, job_id=job_id)
 
     def running_shard(self, job_id: str, most_stored: int = 3) -> ShardView | None:
         """A running shard that has stored some rows, but at most `most_stored` of its 4."""

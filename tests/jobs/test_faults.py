@@ -165,6 +165,21 @@ def test_sigkill_mid_shard_resumes_from_the_rows_already_stored(
     assert resumed.rows_run <= 4 - stored_before_kill
     assert all(s.status == "done" for s in shards.values())
 
+    # The killed attempt's engine work is still counted: its row keeps what its last result insert
+    # (or heartbeat) stored, and the job's metrics sum every attempt.
+    attempts = db.attempts(job["id"])
+    on_victim_shard = [a for a in attempts if a.shard_index == victim_shard.index]
+    assert len(on_victim_shard) >= 2
+    (killed,) = [a for a in on_victim_shard if int(a.owner.split(":")[1]) == victim.popen.pid]
+    assert killed.outcome == "running"  # it never ended: SIGKILL leaves no last word
+    assert killed.counters["computed_tokens"] > 0 and killed.counters["busy_seconds"] > 0
+    assert on_victim_shard[-1].outcome == "done"
+    metrics = fault_client.metrics(job["id"])
+    assert metrics["computed_tokens"] == sum(a.counters["computed_tokens"] for a in attempts)
+    assert metrics["device_seconds"] == pytest.approx(
+        sum(a.counters["busy_seconds"] for a in attempts), abs=1e-3
+    )
+
 
 def test_sigterm_hands_the_shard_back_without_losing_rows(
     fault_client: FreightClient, workers: Workers, db: ServiceDB
@@ -186,6 +201,13 @@ def test_sigterm_hands_the_shard_back_without_losing_rows(
     # The hand-back did not use up an attempt, and the rows stored before it were not run again.
     assert again.status == "done" and again.attempts == 1 and again.owner_pid != stopping.popen.pid
     assert again.rows_run <= 4 - shard.stored
+    # Not counted towards the attempt limit, yet the handed-back run's engine work is in the cost.
+    attempts = db.attempts(job["id"])
+    handed_back, finished = [a for a in attempts if a.shard_index == shard.index]
+    assert (handed_back.outcome, finished.outcome) == ("handed_back", "done")
+    assert handed_back.counters["computed_tokens"] > 0
+    metrics = fault_client.metrics(job["id"])
+    assert metrics["computed_tokens"] == sum(a.counters["computed_tokens"] for a in attempts)
 
 
 def test_terminated_database_connections_mid_job(

@@ -119,3 +119,39 @@ def test_rejects_bad_arguments():
         paged_prefill_attention(
             query, *caches, query_start_loc, torch.tensor([4, 2], dtype=torch.int32), 0.25
         )
+
+
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.int8)]
+)
+def test_fresh_keys_and_values_stand_in_for_the_cache(query_dtype, cache_dtype):
+    """The CPU path attends to the chunk's own keys and values for sequences without a cached prefix; with a
+    float32 cache that is exactly what the cache holds, and with an INT8 cache it differs only by the cache's
+    rounding. Chunks with a prefix still read the cache."""
+    from kernels import write_kv_cache
+
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    kv = make_paged_kv([n for _, n in CHUNKS], num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype)
+    query, query_start_loc, seq_lens = packed_inputs(CHUNKS, num_heads, head_dim, query_dtype)
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn(query.shape[0], num_kv_heads, head_dim, generator=gen).to(query_dtype)
+    value = torch.randn(query.shape[0], num_kv_heads, head_dim, generator=gen).to(query_dtype)
+    slots = [
+        int(kv.block_tables[seq, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+        for seq, (q_len, seq_len) in enumerate(CHUNKS)
+        for p in range(seq_len - q_len, seq_len)
+    ]
+    write_kv_cache(key, value, kv.key_cache, kv.value_cache, torch.tensor(slots), kv.k_scale_cache,
+                   kv.v_scale_cache)  # fmt: skip
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, query_start_loc, seq_lens, 0.2,
+            kv.k_scale_cache, kv.v_scale_cache)  # fmt: skip
+    fresh = paged_prefill_attention(*args, key=key, value=value)
+    expected = reference(query, kv, query_start_loc, seq_lens, 0.2)
+    if cache_dtype == torch.float32:
+        assert_close(fresh, expected)
+    else:  # INT8 rounding of K and V: about 1% of a value's range
+        torch.testing.assert_close(fresh.float(), expected.float(), atol=0.05, rtol=0.05)
+        prefixed = [i for i, (q, n) in enumerate(CHUNKS) if q < n]
+        for seq in prefixed:  # these rows read the cache, as without fresh keys
+            rows = slice(int(query_start_loc[seq]), int(query_start_loc[seq + 1]))
+            torch.testing.assert_close(fresh[rows], paged_prefill_attention(*args)[rows])

@@ -11,7 +11,16 @@ from sqlalchemy import inspect
 from storage.db import alembic_config, current_revision, make_engine, upgrade
 from storage.models import Base
 
-TABLES = {"api_keys", "jobs", "shards", "results", "job_events", "summary_parts", "alembic_version"}
+TABLES = {
+    "api_keys",
+    "jobs",
+    "shards",
+    "shard_attempts",
+    "results",
+    "job_events",
+    "summary_parts",
+    "alembic_version",
+}
 
 
 def _head(url: str) -> str:
@@ -45,3 +54,18 @@ def test_sqlite_upgrade_is_repeatable(tmp_path: Path) -> None:
     upgrade(url)  # a second upgrade is a no-op, as `freight run` does on every start
     assert current_revision(url) == _head(url)
     assert _schema_diff(url) == []
+
+
+def test_sqlite_shard_attempts_migration_goes_down_and_up(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'freight.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0002")
+    engine = make_engine(url)
+    try:
+        assert "shard_attempts" not in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == "0003" and _schema_diff(url) == []

@@ -1,4 +1,5 @@
-"""Job, shard and result stores on real Postgres: leases, exactly-once transitions, deduplicated rows."""
+"""Job, shard, attempt and result stores on real Postgres: leases, exactly-once transitions, deduplicated
+rows, attempt costs summed over a job."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import job_store
+from storage.attempt_store import attempt_totals, attempted_shards, attempts_of, record_attempt, start_attempt
 from storage.db import make_engine, make_session_factory
 from storage.result_store import insert_results, iter_results, stored_row_indices, token_sums
 from storage.shard_store import (
@@ -21,7 +23,7 @@ from storage.shard_store import (
     renew_lease,
     unfinished_shards,
 )
-from storage.status import JobStatus, ShardStatus
+from storage.status import AttemptOutcome, JobStatus, ShardStatus
 
 
 @pytest.fixture
@@ -160,3 +162,62 @@ def test_listing_pages_newest_first_per_tenant(sessions: sessionmaker[Session]) 
         assert job_store.list_jobs(session, "someone-else", limit=10) == ([], False)
         with pytest.raises(LookupError):
             job_store.list_jobs(session, "someone-else", after=ids[0])
+
+
+def test_attempt_costs_add_up_over_every_attempt_of_every_shard(sessions: sessionmaker[Session]) -> None:
+    job_id = _queued_job(sessions, [[0, 1], [2]])
+    other_job = _queued_job(sessions, [[0]])
+    with sessions() as session:
+        first = start_attempt(session, job_id=job_id, shard_index=0, owner="worker-a")
+        (started,) = attempts_of(session, job_id=job_id)
+        assert (started.id, started.outcome, started.counters) == (first, AttemptOutcome.RUNNING, {})
+        # Counters are cumulative per attempt: each write replaces the one before.
+        record_attempt(session, attempt_id=first, counters={"busy_seconds": 0.5, "computed_tokens": 40})
+        record_attempt(
+            session,
+            attempt_id=first,
+            counters={"busy_seconds": 1.25, "computed_tokens": 100, "peak_kv_utilization": 0.3},
+            outcome=AttemptOutcome.RETRY,
+        )
+        second = start_attempt(session, job_id=job_id, shard_index=0, owner="worker-b")
+        record_attempt(
+            session,
+            attempt_id=second,
+            counters={"busy_seconds": 0.75, "computed_tokens": 60, "peak_kv_utilization": 0.2},
+            outcome=AttemptOutcome.DONE,
+        )
+        # A worker killed mid-shard leaves its attempt running with what it last wrote.
+        killed = start_attempt(session, job_id=job_id, shard_index=1, owner="worker-c")
+        record_attempt(
+            session,
+            attempt_id=killed,
+            counters={"busy_seconds": 0.5, "computed_tokens": 25, "peak_kv_utilization": 0.6},
+        )
+        # commit=False joins the caller's transaction: rolled back, neither the row nor the cost lands.
+        insert_results(session, [_row(job_id, 2)], commit=False)
+        record_attempt(session, attempt_id=killed, counters={"computed_tokens": 10**6}, commit=False)
+        session.rollback()
+        assert stored_row_indices(session, job_id, [2]) == set()
+        start_attempt(session, job_id=other_job, shard_index=0, owner="worker-a")
+
+        attempts = attempts_of(session, job_id=job_id)
+        assert [(a.shard_index, a.owner, a.outcome) for a in attempts] == [
+            (0, "worker-a", "retry"),
+            (0, "worker-b", "done"),
+            (1, "worker-c", "running"),
+        ]
+        assert all(a.updated_at >= a.started_at for a in attempts)
+        assert [a.id for a in attempts_of(session, job_id=job_id, shard_index=0)] == [first, second]
+        assert attempt_totals(session, job_id=job_id) == {
+            "busy_seconds": 2.5,
+            "computed_tokens": 185,
+            "peak_kv_utilization": 0.6,  # a peak is the largest, not a sum
+        }
+        assert attempted_shards(session, job_id=job_id) == {0, 1}
+        assert attempt_totals(session, job_id=other_job) == {}
+        assert attempt_totals(session, job_id="job_unknown") == {}
+
+        # The attempts go with their job (ON DELETE CASCADE).
+        job_store.delete_job(session, job_id)
+        assert attempts_of(session, job_id=job_id) == []
+        assert len(attempts_of(session, job_id=other_job)) == 1

@@ -1,5 +1,6 @@
 """The shard runner in-process, on real Postgres with the real engine (tiny model): resuming from
-stored rows, taking over a lapsed lease, backing off a held one, cancellation, repeated failure."""
+stored rows, taking over a lapsed lease, backing off a held one, cancellation, repeated failure, and
+the cost of every attempt counted in the job's metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sqlalchemy import update
 from jobs.schemas import JobParams
 from jobs.service import JobService
 from storage import job_store
+from storage.attempt_store import attempts_of
 from storage.blobs import results_name
 from storage.models import Job
 from storage.result_store import insert_results
@@ -23,8 +25,10 @@ from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
 from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
 from tests.worker.contexts import worker_context
+from worker.engine_stats import COUNTERS
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
+from worker.result_writer import ShardProgress
 from worker.shard_runner import ShardRetry, WorkerContext, run_shard
 
 TENANT = "runner-tests"
@@ -41,17 +45,22 @@ def pool(ctx: WorkerContext) -> LLMPool:
     return LLMPool(ctx.settings)
 
 
-def submit(ctx: WorkerContext, tmp_path: Path, rows: int, model: Path, **params) -> str:
+def submit(
+    ctx: WorkerContext,
+    tmp_path: Path,
+    rows: int,
+    model: Path,
+    row_max_tokens: list[int] | None = None,
+    **params,
+) -> str:
     source = tmp_path / "input.parquet"
-    pq.write_table(
-        pa.table(
-            {
-                "custom_id": [f"c{i}" for i in range(rows)],
-                "prompt": [f"row {i} " * (i + 1) for i in range(rows)],
-            }
-        ),
-        source,
-    )
+    columns = {
+        "custom_id": [f"c{i}" for i in range(rows)],
+        "prompt": [f"row {i} " * (i + 1) for i in range(rows)],
+    }
+    if row_max_tokens is not None:
+        columns["max_tokens"] = pa.array(row_max_tokens, pa.int64())
+    pq.write_table(pa.table(columns), source)
     service = JobService(ctx.settings, ctx.sessions, ctx.blobs, dispatcher=None, allow_any_model=True)
     with open(source, "rb") as upload:
         return service.submit(TENANT, upload, JobParams(model=str(model), **params)).id
@@ -154,6 +163,8 @@ def test_cancel_stops_a_running_shard_between_engine_steps(
         job = job_store.get_job(session, job_id)
     assert statuses[-3:] == [JobStatus.CANCELLING, JobStatus.FINALIZING, JobStatus.CANCELLED]
     assert job.metrics["rows_cancelled"] == len(cancelled)
+    with ctx.sessions() as session:
+        assert [a.outcome for a in attempts_of(session, job_id=job_id)] == ["cancelled"]
 
 
 def test_a_shard_that_keeps_failing_ends_as_error_rows(
@@ -173,3 +184,48 @@ def test_a_shard_that_keeps_failing_ends_as_error_rows(
     rows = results(ctx, job_id)
     assert [r["custom_id"] for r in rows] == ["c0", "c1", "c2"]
     assert all(r["finish_reason"] == "error" and "top_k" in r["error"] for r in rows)
+    with ctx.sessions() as session:
+        assert [a.outcome for a in attempts_of(session, job_id=job_id)] == ["retry", "failed"]
+
+
+class ProgressSinkDown(Exception):
+    """The progress sink failed: raised from the shard's progress callback, so the attempt fails."""
+
+
+def test_the_cost_of_a_failed_attempt_stays_in_the_job_metrics(
+    ctx: WorkerContext, pool: LLMPool, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # The two shortest rows finish first; the failure comes with their insert, mid-stream.
+    job_id = submit(ctx, tmp_path, 8, tiny_llama_dir, row_max_tokens=[2, 3] + [40] * 6, max_tokens=8)
+
+    def fail_once_rows_are_stored(update: ShardProgress) -> None:
+        # Called right after a result insert: the engine has run at least those rows by now.
+        if update.rows_done >= 2:
+            raise ProgressSinkDown(f"after {update.rows_done} rows")
+
+    with pytest.raises(ShardRetry, match="ProgressSinkDown"):
+        run_shard(ctx, pool, job_id, 0, on_progress=fail_once_rows_are_stored)
+    # The failed attempt's requests left the engine with it (its stream was closed, not left to the
+    # garbage collector, which would abort them later in the middle of whichever shard runs then).
+    assert not pool.loaded.engine.has_unfinished()
+    outcome = run_shard(ctx, pool, job_id, 0)
+    assert outcome.status == ShardStatus.DONE and 0 < outcome.rows_written < 8
+    assert finalize_job(ctx, job_id) == JobStatus.COMPLETED
+
+    with ctx.sessions() as session:
+        failed, finished = attempts_of(session, job_id=job_id, shard_index=0)
+        shard = get_shard(session, job_id, 0)
+        metrics = job_store.get_job(session, job_id).metrics
+    assert (failed.outcome, finished.outcome) == ("retry", "done")
+    assert failed.owner == finished.owner == ctx.owner()
+    assert failed.counters["computed_tokens"] > 0 and failed.counters["busy_seconds"] > 0
+    # The finishing attempt's counters are the shard's own stats: those alone miss the failed one.
+    engine = shard.stats["engine"]
+    assert {name: finished.counters[name] for name in COUNTERS} == {name: engine[name] for name in COUNTERS}
+    spent = {name: failed.counters[name] + finished.counters[name] for name in COUNTERS}
+    assert metrics["computed_tokens"] == spent["computed_tokens"] > engine["computed_tokens"]
+    assert metrics["padding_tokens"] == spent["padding_tokens"]
+    assert metrics["preemptions"] == spent["preemptions"]
+    assert metrics["device_seconds"] == pytest.approx(spent["busy_seconds"], abs=1e-4)
+    assert metrics["device_seconds"] > engine["busy_seconds"]
+    assert metrics["mean_batch_size"] == round(spent["batch_size_sum"] / spent["steps"], 2)

@@ -82,7 +82,7 @@ class KVCache:
         if nd == 0:
             return paged_prefill_attention(
                 query, key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_seq_lens, scale, key_scales, value_scales,
+                meta.prefill_seq_lens, scale, key_scales, value_scales, key=key, value=value,
             )
         out = torch.empty_like(query)
         out[:nd] = paged_decode_attention(
@@ -91,6 +91,6 @@ class KVCache:
         )
         out[nd:] = paged_prefill_attention(
             query[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_seq_lens, scale, key_scales, value_scales,
+            meta.prefill_seq_lens, scale, key_scales, value_scales, key=key[nd:], value=value[nd:],
         )
         return out

@@ -16,6 +16,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     quantization: Literal["int8"] | None = "int8"
     kv_cache_dtype: str = "int8"  # "int8" or "auto" (= dtype)
+    smoothing: bool = True  # INT8: SmoothQuant-style smoothing, calibrated at load (smoothing.py)
     block_size: int = 16
     max_model_len: int = 2048
     max_num_seqs: int = 256

@@ -15,11 +15,13 @@ from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
+from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stats import StatsRecorder
 from worker.engine.step_inputs import build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker
 
+CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
 
 
@@ -39,11 +41,14 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        tensors = checkpoint.tensors
+        if config.quantization == "int8" and config.smoothing:
+            tensors = self._smoothed(tensors)
         self.model = LlamaModel(
-            self.model_config, checkpoint.tensors, config.torch_dtype, config.quantization, self.device,
+            self.model_config, tensors, config.torch_dtype, config.quantization, self.device,
             max_positions=self.max_model_len,
         )
-        del checkpoint
+        del checkpoint, tensors
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.kv_torch_dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
@@ -57,6 +62,17 @@ class LLMEngine:
         self._next_request_id = 0
         self._rejected: list[Sequence] = []
         self._fallback_generator = torch.Generator(device=self.device).manual_seed(0)
+
+    def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
+        float_model = LlamaModel(
+            self.model_config, tensors, self.config.torch_dtype, None, self.device,
+            max_positions=self.max_model_len,
+        )
+        ids = calibration_token_ids(self.tokenizer, min(CALIBRATION_TOKENS, self.max_model_len))
+        maxima = measure_input_maxima(float_model, ids, self.config.block_size)
+        del float_model
+        return smooth_tensors(self.model_config, tensors, maxima)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

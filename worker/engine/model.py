@@ -96,10 +96,9 @@ class LlamaModel:
             k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = kv_cache.attend(i, q, k, v, meta, self.scale)
-            hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))
+            hidden = layer.o_proj(attn.reshape(-1, self.q_size), residual=hidden)
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = layer.down(layer.gate_up.silu_mul(x), residual=hidden)
         return rms_norm(hidden, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_linear import int8_linear, quantize_weight_per_channel
+from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weight_per_channel
 
 
 class FloatLinear:
@@ -13,8 +13,15 @@ class FloatLinear:
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = bias.to(dtype) if bias is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given."""
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y  # transformers' order, for exact float32 parity
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's fused gate/up projection: [tokens, in] -> silu(gate) * up [tokens, out / 2]."""
+        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class Int8Linear:
@@ -25,8 +32,16 @@ class Int8Linear:
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        return int8_linear(x, self.w_q_t, self.w_scale, self.bias)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
+        return int8_linear(x, self.w_q_t, self.w_scale, self.bias, residual=residual)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU."""
+        if self.bias is not None:
+            gate, up = self(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return int8_linear_silu_mul(x, self.w_q_t, self.w_scale)
 
 
 Linear = FloatLinear | Int8Linear

@@ -15,8 +15,8 @@ from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
 from worker.engine.stats import StatsRecorder
 from worker.engine.step_inputs import build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_prefill_attention
 from kernels._checks import (
     PagedCacheLayout,
     check_attention_heads,
@@ -218,11 +219,20 @@ def paged_prefill_attention_torch(
     if key is not None and value is not None and (key.shape != value.shape or key.shape[0] != query.shape[0]):
         raise ValueError(f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}")
     starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
     cache_dtype = compute_dtype(query.dtype, key_cache.dtype)
-    for seq, seq_len in enumerate(seq_lens.tolist()):
+    compiled: set[int] = set()
+    if cpu_prefill_attention.supports(query, key):
+        compiled = {seq for seq, n in enumerate(lens) if n > 0 and starts[seq + 1] - starts[seq] == n}
+        if compiled:
+            order = sorted(compiled)
+            cpu_prefill_attention.prefill_attention_cpu(
+                query, key, value, [starts[s] for s in order], [lens[s] for s in order], scale, out
+            )
+    for seq, seq_len in enumerate(lens):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or seq in compiled:
             continue
         num_blocks = cdiv(seq_len, layout.block_size)
         if q_len > seq_len or num_blocks > block_tables.shape[1]:

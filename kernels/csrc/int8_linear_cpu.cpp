@@ -1,7 +1,7 @@
 // The memory passes around torch._int_mm on CPU, each fused into one pass over the rows:
 //   quantize_rows: float rows -> int8 rows + one float32 scale per row (symmetric, absmax / 127);
 //   dequantize_rows: int32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
-//   dequantize_silu_mul: the gate/up projection's products -> silu(gate) * up, never storing gate or up.
+//   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats.
 // Unfused, each of these is four to six full passes over an [M, N] tensor, which at prefill sizes cost
 // more than the integer matmul itself.
 #include <torch/extension.h>
@@ -104,7 +104,10 @@ void silu_mul_row(const int32_t* gate, const int32_t* up, float xs, const float*
                                    _mm512_maskz_loadu_ps(m, w_gate + c));
     const __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, up + c)), xs_v),
                                    _mm512_maskz_loadu_ps(m, w_up + c));
-    const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    // 1 / (1 + e^-g): a 14-bit reciprocal estimate refined by one Newton step (about 1e-7 relative)
+    const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    __m512 sig = _mm512_rcp14_ps(denom);
+    sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(denom, sig, _mm512_set1_ps(2.f)));
     store16(out + c, _mm512_mul_ps(_mm512_mul_ps(g, sig), u), m);
   }
 }
@@ -165,40 +168,45 @@ void quantize_rows_kernel(const InT* x, int8_t* q, float* scales, int64_t rows, 
 
 template <typename OutT>
 void dequantize_rows_kernel(const int32_t* acc, const float* x_scale, const float* w_scale, const OutT* bias,
-                            const OutT* residual, OutT* out, int64_t rows, int64_t cols) {
+                            const OutT* residual, int64_t residual_stride, OutT* out, int64_t out_stride,
+                            int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const OutT* res = residual ? residual + r * cols : nullptr;
+      const OutT* res = residual ? residual + r * residual_stride : nullptr;
 #ifdef FREIGHT_AVX512
       if constexpr (kVectorized<OutT>) {
-        dequantize_row(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * cols, cols);
+        dequantize_row(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
         continue;
       }
 #endif
-      dequantize_row_generic(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * cols, cols);
+      dequantize_row_generic(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
     }
   });
 }
 
 template <typename OutT>
-void dequantize_silu_mul_kernel(const int32_t* acc, const float* x_scale, const float* w_scale, OutT* out,
-                                int64_t rows, int64_t half) {
+void dequantize_silu_mul_kernel(const int32_t* gate, const int32_t* up, const float* x_scale, const float* w_gate,
+                                const float* w_up, OutT* out, int64_t out_stride, int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int32_t* gate = acc + r * 2 * half;
 #ifdef FREIGHT_AVX512
       if constexpr (kVectorized<OutT>) {
-        silu_mul_row(gate, gate + half, x_scale[r], w_scale, w_scale + half, out + r * half, half);
+        silu_mul_row(gate + r * cols, up + r * cols, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
         continue;
       }
 #endif
-      silu_mul_row_generic(gate, gate + half, x_scale[r], w_scale, w_scale + half, out + r * half, half);
+      silu_mul_row_generic(gate + r * cols, up + r * cols, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
     }
   });
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
+}
+
+void check_row_view(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.size(0) == like.size(0) && t.size(1) == like.size(1), name,
+              " must be a [M, N] view with contiguous rows");
 }
 
 }  // namespace
@@ -214,30 +222,36 @@ void quantize_rows(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   });
 }
 
-// acc [M, N] int32, x_scale [M], w_scale [N] float32; bias [N] and residual [M, N] in out's dtype.
+// acc [M, N] int32 contiguous, x_scale [M], w_scale [N] float32; bias [N] in out's dtype; residual and
+// out [M, N] views with contiguous rows (column slices of wider tensors are fine).
 void dequantize_rows(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, torch::Tensor out) {
   check_rows(acc, "acc");
-  check_rows(out, "out");
+  check_row_view(out, acc, "out");
   TORCH_CHECK(acc.scalar_type() == at::kInt, "acc must be int32");
-  if (residual) check_rows(*residual, "residual");
+  if (residual) check_row_view(*residual, acc, "residual");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
     dequantize_rows_kernel<scalar_t>(acc.data_ptr<int32_t>(), x_scale.data_ptr<float>(), w_scale.data_ptr<float>(),
                                      bias ? bias->data_ptr<scalar_t>() : nullptr,
-                                     residual ? residual->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
+                                     residual ? residual->data_ptr<scalar_t>() : nullptr,
+                                     residual ? residual->stride(0) : 0, out.data_ptr<scalar_t>(), out.stride(0),
                                      acc.size(0), acc.size(1));
   });
 }
 
-// acc [M, 2 * I] int32 (gate columns, then up columns) -> out [M, I] = silu(gate) * up.
-void dequantize_silu_mul(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale, torch::Tensor out) {
-  check_rows(acc, "acc");
-  check_rows(out, "out");
-  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.size(1) == 2 * out.size(1), "acc int32 [M, 2 * I]");
+// gate, up [M, I] int32 contiguous (the two halves' products), w_gate, w_up [I] -> out [M, I] view with
+// contiguous rows = silu(gate) * up.
+void dequantize_silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor x_scale, torch::Tensor w_gate,
+                         torch::Tensor w_up, torch::Tensor out) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_row_view(out, gate, "out");
+  TORCH_CHECK(gate.scalar_type() == at::kInt && up.scalar_type() == at::kInt && gate.sizes() == up.sizes(),
+              "gate and up: int32 [M, I]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_silu_mul", [&] {
-    dequantize_silu_mul_kernel<scalar_t>(acc.data_ptr<int32_t>(), x_scale.data_ptr<float>(),
-                                         w_scale.data_ptr<float>(), out.data_ptr<scalar_t>(), acc.size(0),
-                                         out.size(1));
+    dequantize_silu_mul_kernel<scalar_t>(gate.data_ptr<int32_t>(), up.data_ptr<int32_t>(), x_scale.data_ptr<float>(),
+                                         w_gate.data_ptr<float>(), w_up.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                                         out.stride(0), gate.size(0), gate.size(1));
   });
 }
 

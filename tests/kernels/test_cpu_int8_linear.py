@@ -41,7 +41,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("M", "K", "N"), [(1, 64, 24), (5, 130, 40), (40, 256, 136)])
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 64, 24), (5, 130, 40), (40, 256, 136), (3, 32, 4100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_linear_with_bias_and_residual(dtype, M, K, N, with_bias, with_residual):
@@ -60,7 +60,7 @@ def test_linear_with_bias_and_residual(dtype, M, K, N, with_bias, with_residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("M", "K", "I"), [(1, 64, 8), (9, 96, 40), (33, 576, 1536)])
+@pytest.mark.parametrize(("M", "K", "I"), [(1, 64, 8), (9, 96, 40), (33, 576, 1536), (600, 64, 2100)])
 def test_silu_mul_matches_the_unfused_product(dtype, M, K, I):  # noqa: E741
     x = randn(M, K, seed=5, dtype=dtype)
     w_q, w_scale = quantize_weight_per_channel(randn(2 * I, K, seed=6))
@@ -69,6 +69,12 @@ def test_silu_mul_matches_the_unfused_product(dtype, M, K, I):  # noqa: E741
     assert got.dtype == dtype and got.shape == (M, I)
     _close(got, F.silu(gate) * up)
     assert torch.equal(int8_linear_silu_mul(x, w_q.t(), w_scale), got)
+
+
+def test_wide_products_run_in_equal_column_chunks():
+    assert cpu_int8_linear.column_chunks(3072) == [slice(0, 1536), slice(1536, 3072)]
+    assert cpu_int8_linear.column_chunks(4100) == [slice(0, 1367), slice(1367, 2734), slice(2734, 4100)]
+    assert cpu_int8_linear.column_chunks(960) == [slice(0, 960)]
 
 
 def test_fused_paths_agree_with_the_torch_path():

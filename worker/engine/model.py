@@ -55,8 +55,9 @@ class LlamaModel:
 
         self.embed = get("model.embed_tokens.weight").to(dtype)  # [vocab, hidden]
         self.norm = get("model.norm.weight").to(dtype)
-        head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in tensors else get("lm_head.weight")
-        self.lm_head = head.to(dtype)  # [vocab, hidden]; kept in dtype for logit quality
+        # tied models have no lm_head.weight, unless smoothing made one (its columns scaled, see smoothing.py)
+        head = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed  # [vocab, hidden]
+        self.lm_head = make_linear(head, None, dtype, quantization, out_dtype=torch.float32)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -102,4 +103,4 @@ class LlamaModel:
         return rms_norm(hidden, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden)

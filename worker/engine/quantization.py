@@ -9,13 +9,18 @@ from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weig
 
 
 class FloatLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+    ) -> None:
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = bias.to(dtype) if bias is not None else None
+        self.out_dtype = out_dtype  # None: dtype
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given."""
         y = F.linear(x, self.weight, self.bias)
+        if self.out_dtype is not None:
+            y = y.to(self.out_dtype)
         return y if residual is None else residual + y  # transformers' order, for exact float32 parity
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,29 +32,36 @@ class FloatLinear:
 class Int8Linear:
     """Per-output-channel symmetric INT8 weights, quantized once at load time."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+    ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
+        self.out_dtype = out_dtype  # None: the input's dtype
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
-        return int8_linear(x, self.w_q_t, self.w_scale, self.bias, residual=residual)
+        return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU."""
         if self.bias is not None:
             gate, up = self(x).chunk(2, dim=-1)
             return F.silu(gate) * up
-        return int8_linear_silu_mul(x, self.w_q_t, self.w_scale)
+        return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
 
 
 Linear = FloatLinear | Int8Linear
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quantization: str | None
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    quantization: str | None,
+    out_dtype: torch.dtype | None = None,
 ) -> Linear:
     if quantization == "int8":
-        return Int8Linear(weight, bias, dtype)
-    return FloatLinear(weight, bias, dtype)
+        return Int8Linear(weight, bias, dtype, out_dtype)
+    return FloatLinear(weight, bias, dtype, out_dtype)

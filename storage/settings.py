@@ -21,7 +21,7 @@ class Settings(BaseSettings):
     database_url: str | None = None  # None: SQLite under home (embedded default)
     broker_url: str | None = None  # None: run jobs in-process (embedded default)
     data_dir: Path | None = None  # None: home / "data"
-    shard_size: int = Field(256, ge=1)
+    shard_size: int = Field(1024, ge=1)  # 4 x max_num_seqs: a shard ramps up and drains its batch once
     device_hour_usd: float = Field(0.10, ge=0)
     max_upload_mb: int = Field(512, ge=1)
     default_model: str = "smollm2-135m"

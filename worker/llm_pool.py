@@ -40,6 +40,8 @@ class LLMPool:
     def load(self, key: EngineKey) -> LLM:
         if self._llm is not None and self._key == key:
             return self._llm
+        if self._llm is not None:
+            self._llm.close()
         self._llm = None  # free the old engine before building the next one
         settings = self.settings
         started = time.monotonic()
@@ -54,6 +56,7 @@ class LLMPool:
             kv_cache_memory_gb=settings.kv_cache_memory_gb,
             num_threads=settings.num_threads,
             cache_dir=str(settings.models_dir),
+            engine_thread=True,  # loaded on the main thread, run on the pool's: keep torch on one thread
         )
         self._key = key
         log.info("loaded %s in %.1fs", key, time.monotonic() - started)

@@ -1,4 +1,5 @@
-// Paged decode attention for CPU: one task per (sequence, kv head), reading the cache in place.
+// Paged decode attention for CPU, reading the cache in place (one task per sequence on the AVX-512
+// path, per (sequence, kv head) on the portable one).
 // Each key and value row is read once, converted to float in registers and used by every query head
 // of the group, so INT8 caches are never expanded into a float copy in memory.
 //

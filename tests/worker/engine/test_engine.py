@@ -153,3 +153,28 @@ def test_int8_weights_run_with_either_cache(tiny_llama_dir, kv_cache_dtype: str)
     outs = llm.generate(prompts(10, seed=2), SamplingParams(max_tokens=5, ignore_eos=True))
     assert all(len(o.output_token_ids) == 5 and o.error is None for o in outs)
     assert llm.stats.padding_tokens == 0
+
+
+def test_engine_thread_runs_every_step_on_one_thread(tiny_llama_dir) -> None:
+    """With engine_thread=True the engine is built and stepped on its own thread, whoever calls."""
+    import threading
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
+              kv_cache_memory_gb=0.05, engine_thread=True)  # fmt: skip
+    seen: set[str] = set()
+    step = llm.engine.step
+
+    def recording_step():
+        seen.add(threading.current_thread().name)
+        return step()
+
+    llm.engine.step = recording_step
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    from_main = llm.generate([[5, 6, 7]], params)
+    from_other: list = []
+    caller = threading.Thread(target=lambda: from_other.extend(llm.generate([[5, 6, 7]], params)))
+    caller.start()
+    caller.join()
+    llm.close()
+    assert from_main[0].output_token_ids == from_other[0].output_token_ids
+    assert len(seen) == 1 and next(iter(seen)).startswith("freight-engine")

@@ -17,7 +17,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "avx512_math.h"
 #define FREIGHT_PREFILL_BF16 1
 #endif
 
@@ -26,20 +26,7 @@ namespace {
 constexpr int64_t kTile = 32;  // keys per tile
 
 #ifdef FREIGHT_PREFILL_BF16
-inline __m512 exp2_16(__m512 t) {  // 2^t for t <= 0: 2^n * 2^f, f in [-0.5, 0.5], degree-7 polynomial
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using freight::exp2_16;
 
 inline uint32_t pair(uint16_t low, uint16_t high) { return uint32_t(low) | (uint32_t(high) << 16); }
 

@@ -5,13 +5,17 @@ min_new_tokens); Freight runs the whole workload through `LLM.generate` (continu
 once in bf16 and once with int8 weights and KV cache. Model load is timed apart from generation.
 Prints one JSON line per system, then one line of ratios against the baseline (transformers when
 it ran, else the first system). Compare systems within one run: the machines are noisy.
+
+Each system runs in a fresh child process, one after another: run in the process that had just run
+transformers' generate, Freight measured 757 total tokens/s instead of 1,064 on its own (same
+machine, minutes apart), so sharing a process would measure the previous system's leftovers.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -118,6 +122,22 @@ def run_freight(
     return SystemResult(system, workload.prompt_tokens, outputs, elapsed, load_s, extra)
 
 
+def run_system(
+    system: str,
+    model_path: Path,
+    workload: Workload,
+    engine_options: dict[str, Any],
+    batch_size: int,
+    dtype: str,
+    threads: int,
+) -> SystemResult:
+    """One system's run; called in a fresh child process."""
+    torch.set_num_threads(threads)
+    if system == TRANSFORMERS:
+        return run_transformers(model_path, workload, batch_size, dtype)
+    return run_freight(system, model_path, workload, engine_options)
+
+
 def prefix_agreement(outputs: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
     """Mean share of each output that matches the reference up to the first differing token."""
     shares = []
@@ -212,11 +232,12 @@ def main(argv: list[str]) -> int:
         print(lines[-1], flush=True)
 
     results: list[SystemResult] = []
+    spawn = multiprocessing.get_context("spawn")
     for system in args.systems:
-        if system == TRANSFORMERS:
-            result = run_transformers(model_path, workload, args.batch_size, args.dtype)
-        else:
-            result = run_freight(system, model_path, workload, engine_options)
+        with spawn.Pool(1) as child:
+            result = child.apply(
+                run_system, (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads)
+            )
         short = [i for i, ids in enumerate(result.output_token_ids) if len(ids) != workload.output_len]
         if short:
             raise RuntimeError(
@@ -224,7 +245,6 @@ def main(argv: list[str]) -> int:
             )
         results.append(result)
         emit({**result.as_dict(), "threads": threads})
-        gc.collect()  # let the previous system's weights and KV pool go before the next loads
     emit(comparison(results, workload))
 
     if args.json_out:

@@ -29,7 +29,8 @@ def add_job_param_args(parser: argparse.ArgumentParser) -> None:
         "--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template"
     )
     group.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="job metadata (repeatable)")
-    group.add_argument("--quantization", choices=["int8", "none"])
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default: auto")
+    group.add_argument("--quantization", choices=["auto", "int8", "none"], help="default: auto")
     group.add_argument("--kv-cache-dtype", choices=["int8", "auto", "bfloat16", "float16", "float32"])
     summarize = parser.add_argument_group("summarize task (--task summarize; see `freight summarize`)")
     summarize.add_argument("--task", choices=["generate", "summarize"])

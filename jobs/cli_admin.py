@@ -60,10 +60,37 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     pull.add_argument("--cache-dir", help="default: FREIGHT_HOME/models")
     pull.set_defaults(handler=cmd_models_pull)
 
+    doctor = commands.add_parser(
+        "doctor", help="this machine (CPU tier, extensions, torch, CUDA) and the path the engine takes per op"
+    )
+    doctor.add_argument("--model", help="default: FREIGHT_DEFAULT_MODEL")
+    doctor.add_argument("--dtype", help="default: FREIGHT_DTYPE (auto)")
+    doctor.add_argument("--quantization", help="default: FREIGHT_QUANTIZATION (auto)")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.set_defaults(handler=cmd_doctor)
+
     bench = commands.add_parser(
         "bench", help="engine benchmark (arguments go to the benchmark)", add_help=False
     )
     bench.set_defaults(handler=None)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from worker.engine.doctor import doctor_report, format_report
+
+    settings = Settings()
+    quantization = args.quantization or settings.quantization
+    report = doctor_report(
+        model=args.model or settings.default_model,
+        dtype=args.dtype or settings.dtype,
+        quantization=None if quantization in (None, "none") else quantization,
+        cache_dir=str(settings.models_dir),
+        max_num_seqs=settings.max_num_seqs,
+    )
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
 
 
 def _upgrade_if_embedded(settings: Settings) -> None:

@@ -21,6 +21,7 @@ FLAG_FIELDS = (
     "template",
     "prompt_column",
     "chat",
+    "dtype",
     "quantization",
     "kv_cache_dtype",
     "task",

@@ -65,6 +65,7 @@ def compute_metrics(
         "peak_kv_utilization": round(peak_kv, 4),
         "preemptions": int(totals["preemptions"]),
         "shards": len(shards),
+        "execution": _execution(shards),
         **_summary_metrics(session, job),
     }
 
@@ -84,6 +85,20 @@ def _engine_totals(session: Session, job_id: str, shards: list[Shard]) -> tuple[
                 totals[name] += float(engine.get(name, 0))
         peak_kv = max(peak_kv, float(engine.get("peak_kv_utilization", 0.0)))
     return totals, peak_kv
+
+
+def _execution(shards: list[Shard]) -> list[dict[str, Any]]:
+    """Where the shards ran: each distinct CPU tier and per-op paths, with the shards that used them
+    (a job's cost is explainable only with the machine it ran on)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        engine = (shard.stats or {}).get("engine", {})
+        if "tier" not in engine:
+            continue
+        entry = {"tier": engine["tier"], "paths": engine.get("paths", {})}
+        key = repr(sorted(entry.items(), key=str))
+        groups.setdefault(key, {**entry, "shards": []})["shards"].append(shard.shard_index)
+    return list(groups.values())
 
 
 def _summary_metrics(session: Session, job: Job) -> dict[str, int]:

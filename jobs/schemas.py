@@ -52,7 +52,12 @@ class JobParams(BaseModel):
         description=f"up to {MAX_METADATA_PAIRS} pairs; keys up to {MAX_METADATA_KEY_CHARS} characters, "
         f"values up to {MAX_METADATA_VALUE_CHARS}; stored and returned verbatim",
     )
-    quantization: Literal["int8", "none"] | None = Field(None, description="default from settings")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="compute dtype; auto (the default from settings): the fastest on the worker's CPU"
+    )
+    quantization: Literal["auto", "int8", "none"] | None = Field(
+        None, description="auto (the default from settings): W8A8 where it is measured faster, else none"
+    )
     kv_cache_dtype: Literal["int8", "auto", "bfloat16", "float16", "float32"] | None = None
     # The summarize task: the prompts are written for the user, long documents go through windows.
     task: Literal["generate", "summarize"] = Field(
@@ -111,7 +116,8 @@ class ResolvedParams(BaseModel):
     prompt_column: str | None
     chat: bool | None
     truncate: bool = False
-    quantization: Literal["int8"] | None
+    dtype: str = "auto"
+    quantization: Literal["auto", "int8"] | None
     kv_cache_dtype: str
     task: Literal["generate", "summarize"] = "generate"
     summarize: SummarizeSpec | None = None
@@ -149,6 +155,14 @@ class JobEventOut(BaseModel):
     at: datetime
 
 
+class ShardExecution(BaseModel):
+    """Where some of a job's shards ran: the machine's ISA tier and the path of every engine op."""
+
+    tier: str
+    paths: dict[str, str]
+    shards: list[int]
+
+
 class JobMetrics(BaseModel):
     rows: int
     rows_completed: int
@@ -171,6 +185,9 @@ class JobMetrics(BaseModel):
     peak_kv_utilization: float
     preemptions: int
     shards: int
+    execution: list[ShardExecution] = Field(
+        default_factory=list, description="the CPU tier (or cuda) and per-op paths the shards ran on"
+    )
     documents_split: int = Field(0, description="summarize: documents summarized through token windows")
     windows: int = Field(0, description="summarize: window requests (their tokens are in the totals)")
     reduce_requests: int = Field(0, description="summarize: requests that combined window summaries")

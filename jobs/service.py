@@ -77,6 +77,7 @@ class JobService:
             prompt_column=params.prompt_column,
             chat=params.chat,
             truncate=params.truncate,
+            dtype=params.dtype or settings.dtype,
             quantization=None if quantization in (None, "none") else quantization,
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
         )

@@ -5,10 +5,14 @@ implementation otherwise; kernels/reference.py holds the slow references the tes
 Importing this package needs neither triton nor CUDA.
 """
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.int8_linear import int8_linear, quantize_per_token, quantize_weight_per_channel
-from kernels.kv_cache import write_kv_cache
-from kernels.prefill_attention import paged_prefill_attention
+from kernels.platform import apply_forced_tier_environment
+
+apply_forced_tier_environment()  # before any torch op: the libraries read their ISA limits once
+
+from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.int8_linear import int8_linear, quantize_per_token, quantize_weight_per_channel  # noqa: E402
+from kernels.kv_cache import write_kv_cache  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 __all__ = [
     "int8_linear",

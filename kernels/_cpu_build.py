@@ -1,5 +1,9 @@
 """Builds the compiled CPU kernels (C++ with OpenMP) on first use, through torch.utils.cpp_extension.
 
+Each kernel is compiled for a named ISA tier (kernels/platform.py), never with -march=native: the build of
+one tier runs on every machine of that tier, and a forced lower tier (FREIGHT_CPU_ISA=avx2) gets its own
+build beside the native one. The sources pick their code paths by the feature macros those flags define.
+
 A C++ compiler and ninja are needed; when the build fails, or FREIGHT_CPU_KERNELS=0, callers fall back
 to their torch paths, so a machine without a toolchain still runs (slower).
 """
@@ -8,31 +12,48 @@ from __future__ import annotations
 
 import logging
 import os
+import platform as _platform
 from pathlib import Path
 from types import ModuleType
+
+from kernels.platform import active_tier
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+TIER_CFLAGS: dict[str, list[str]] = {
+    "generic": [],
+    "avx2": _AVX2,
+    "avx512": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"],
+}
+
+
+def tier_cflags(tier: str) -> list[str]:
+    # the generic tier of a non-x86 machine still compiles for its own baseline (no -m flags)
+    return TIER_CFLAGS[tier] if _platform.machine() in ("x86_64", "AMD64") else []
+
 
 def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | None:
-    """The compiled module for csrc/`source`, or None when it cannot be built here (logged).
+    """The compiled module for csrc/`source` at the active ISA tier, or None when it cannot be built here.
 
     fast_math lets the compiler vectorize libm calls (expf) and reassociate sums; kernels that must
     match torch bit for bit (an exact division before rounding) are built without it.
     """
     if os.environ.get("FREIGHT_CPU_KERNELS", "1") == "0":
         return None
+    tier = active_tier()
     try:
         from torch.utils.cpp_extension import load
 
         return load(
-            name=name,
+            name=f"{name}_{tier}",
             sources=[str(CSRC / source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *(["-ffast-math"] if fast_math else [])],
+            extra_cflags=["-O3", *tier_cflags(tier), "-fopenmp", *(["-ffast-math"] if fast_math else [])],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        log.warning("CPU kernel %s unavailable (%s); using the torch path", name, exc)
+        log.warning("CPU kernel %s (%s tier) unavailable (%s); using the torch path", name, tier, exc)
         return None

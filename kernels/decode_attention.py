@@ -278,15 +278,16 @@ def paged_decode_attention(
     scale: float,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim] -> out [num_seqs, num_heads, head_dim] in query dtype.
 
     block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 >= 1, the current token's K/V
-    already in the cache. Caches as in write_kv_cache.
+    already in the cache. Caches as in write_kv_cache. compiled=False keeps the CPU path on torch ops.
     """
     if use_triton(query):
         attend = paged_decode_attention_triton
-    elif query.device.type == "cpu" and cpu_decode_attention.available():
+    elif compiled and query.device.type == "cpu" and cpu_decode_attention.available():
         _check_decode_args(
             query, key_cache, value_cache, block_tables, context_lens, k_scale_cache, v_scale_cache
         )

@@ -107,14 +107,19 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError("x must be contiguous in its last dimension")
 
 
-def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32); symmetric, scale = max|x_row| / 127."""
+def _quantize_rows_torch(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] int8 in [-qmax, qmax], scale [M] float32 = max|x_row| / qmax)."""
     _check_rows(x)
     # Measured on the 2-core CPU: abs().amax() and an exact division beat vector_norm(inf), aminmax and
     # multiplying by the reciprocal (which also differs from the reference by 1 now and then).
     x = x.float()
-    scale = x.abs().amax(dim=1).div_(127.0).clamp_(min=INT8_SCALE_EPS)
-    return torch.div(x, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+    scale = x.abs().amax(dim=1).div_(qmax).clamp_(min=INT8_SCALE_EPS)
+    return torch.div(x, scale[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8), scale
+
+
+def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32); symmetric, scale = max|x_row| / 127."""
+    return _quantize_rows_torch(x, 127)
 
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +148,15 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_per_token_torch(x)
 
 
-def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (w_q [N, K] int8 contiguous, w_scale [N] float32); pass w_q.t() to int8_linear."""
-    return quantize_per_token_torch(w.contiguous())
+def quantize_weight_per_channel(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (w_q [N, K] int8 contiguous, w_scale [N] float32); pass w_q.t() to int8_linear.
+
+    Symmetric per output channel: w_scale = max|w_row| / qmax, codes in [-qmax, qmax]. qmax 63 keeps
+    oneDNN's u8 x s8 GEMM exact on CPUs without VNNI (see cpu_int8_linear.weight_qmax).
+    """
+    if not 1 <= qmax <= 127:
+        raise ValueError(f"qmax must be in [1, 127], got {qmax}")
+    return _quantize_rows_torch(w.contiguous(), qmax)
 
 
 def _check_linear_args(

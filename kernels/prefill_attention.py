@@ -205,6 +205,7 @@ def paged_prefill_attention_torch(
     v_scale_cache: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """One fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel).
 
@@ -221,18 +222,18 @@ def paged_prefill_attention_torch(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     cache_dtype = compute_dtype(query.dtype, key_cache.dtype)
-    compiled: set[int] = set()
-    if cpu_prefill_attention.supports(query, key):
-        compiled = {seq for seq, n in enumerate(lens) if n > 0 and starts[seq + 1] - starts[seq] == n}
-        if compiled:
-            order = sorted(compiled)
+    compiled_seqs: set[int] = set()
+    if compiled and cpu_prefill_attention.supports(query, key):
+        compiled_seqs = {seq for seq, n in enumerate(lens) if n > 0 and starts[seq + 1] - starts[seq] == n}
+        if compiled_seqs:
+            order = sorted(compiled_seqs)
             cpu_prefill_attention.prefill_attention_cpu(
                 query, key, value, [starts[s] for s in order], [lens[s] for s in order], scale, out
             )
     for seq, seq_len in enumerate(lens):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
-        if q_len == 0 or seq in compiled:
+        if q_len == 0 or seq in compiled_seqs:
             continue
         num_blocks = cdiv(seq_len, layout.block_size)
         if q_len > seq_len or num_blocks > block_tables.shape[1]:
@@ -274,16 +275,18 @@ def paged_prefill_attention(
     v_scale_cache: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] packed -> out [num_tokens, num_heads, head_dim] in query dtype.
 
     query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32 (cached prefix + this chunk);
     block_tables [num_seqs, max_blocks] int32. Caches as in write_kv_cache. key/value: optionally this
     chunk's unquantized keys and values; the CPU path attends to them for sequences without a cached
-    prefix (the Triton kernel always reads the cache).
+    prefix (the Triton kernel always reads the cache). compiled=False keeps the CPU path on torch's SDPA
+    (the engine's choice when its calibration measured SDPA faster).
     """
     args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale_cache,
             v_scale_cache)  # fmt: skip
     if use_triton(query):
         return paged_prefill_attention_triton(*args)
-    return paged_prefill_attention_torch(*args, key=key, value=value)
+    return paged_prefill_attention_torch(*args, key=key, value=value, compiled=compiled)

@@ -27,9 +27,10 @@ class Settings(BaseSettings):
     default_model: str = "smollm2-135m"
     # Models the API accepts (aliases or folder paths); each has its own Celery queue.
     models: list[str] = Field(default_factory=lambda: ["smollm2-135m"])
-    quantization: str | None = "int8"
+    # "auto": the compute dtype and INT8 scheme measured fastest on the worker's machine (path_plan.py)
+    quantization: str | None = "auto"
     kv_cache_dtype: str = "int8"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096

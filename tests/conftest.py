@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kernels.platform import tier_line
 from worker.engine.loader import pull_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,20 @@ TINY_SHAPE = dict(
     eos_token_id=2,
     pad_token_id=2,
 )
+
+
+def pytest_report_header(config) -> str:
+    """The CPU tier at the top of the run: what is fast, and which kernels run, depends on it."""
+    return tier_line()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """An engine built with num_threads=1 sets torch's threads for the whole process: give every later
+    test the threads it would have had alone."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

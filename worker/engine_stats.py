@@ -42,6 +42,7 @@ def shard_stats(before: StatsSnapshot, after: EngineStats, max_points: int) -> d
     timeline = [dict(point) for point in _samples_since(before, after)]  # copies: stored with the shard
     engine: dict[str, Any] = _spent(before, after, timeline)
     engine["num_kv_blocks"] = after.num_kv_blocks
+    engine["tier"], engine["paths"] = after.tier, dict(after.paths)  # the machine and op paths it ran on
     if len(timeline) > max_points:
         stride = -(-len(timeline) // max_points)
         timeline = timeline[::stride]

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineKey:
     model: str
+    dtype: str
     quantization: str | None
     kv_cache_dtype: str
 
@@ -30,7 +31,7 @@ class LLMPool:
         self._llm: LLM | None = None
 
     def get(self, params: ResolvedParams) -> LLM:
-        llm = self.load(EngineKey(params.model, params.quantization, params.kv_cache_dtype))
+        llm = self.load(EngineKey(params.model, params.dtype, params.quantization, params.kv_cache_dtype))
         if llm.engine.has_unfinished():
             # A shard that failed mid-stream (say its database connection dropped) left its requests
             # in the engine; they must not come out of the next shard's stream as its rows.
@@ -47,7 +48,7 @@ class LLMPool:
         started = time.monotonic()
         self._llm = LLM(
             model=key.model,
-            dtype=settings.dtype,
+            dtype=key.dtype,
             quantization=key.quantization,
             kv_cache_dtype=key.kv_cache_dtype,
             max_model_len=settings.max_model_len,
@@ -72,4 +73,5 @@ class LLMPool:
         return self._key.model if self._key is not None else None
 
     def default_key(self, model: str) -> EngineKey:
-        return EngineKey(model, self.settings.quantization, self.settings.kv_cache_dtype)
+        settings = self.settings
+        return EngineKey(model, settings.dtype, settings.quantization, settings.kv_cache_dtype)

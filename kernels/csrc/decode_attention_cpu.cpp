@@ -1,11 +1,15 @@
-// Paged decode attention for CPU, reading the cache in place (one task per sequence on the AVX-512
-// path, per (sequence, kv head) on the portable one).
+// Paged decode attention for CPU, reading the cache in place (one task per sequence on the SIMD paths,
+// per (sequence, kv head) on the portable one).
 // Each key and value row is read once, converted to float in registers and used by every query head
 // of the group, so INT8 caches are never expanded into a float copy in memory.
 //
-// Two code paths: with AVX-512 and head_dim in {32, 64, 128} (every Llama-family model we load), the
-// group size and head_dim are template parameters, so the group's queries and accumulators live in
-// registers for the whole sequence; otherwise a portable loop does the same work.
+// Three code paths, picked by the ISA the build targets: with AVX-512 (or else AVX2 + FMA) and head_dim
+// in {32, 64, 128} (every Llama-family model we load), the group size and head_dim are template
+// parameters, so the group's working set is laid out at compile time; otherwise a portable loop does the
+// same work. AVX-512 keeps the group's queries and accumulators in its 32 zmm registers for the whole
+// sequence; AVX2's 16 ymm registers cannot (a group of 3 heads of 64 dims has 24 vectors of queries and 24
+// of accumulators), so it reads the queries as FMA memory operands from L1 and accumulates the values a
+// few 8-float chunks at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +19,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define FREIGHT_DECODE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "avx2_math.h"
+#define FREIGHT_DECODE_AVX2 1
 #endif
 
 namespace {
@@ -88,8 +96,24 @@ void decode_task_generic(const float* q, const CacheT* key_cache, const CacheT* 
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Shared by the SIMD paths
+#if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead of use a block is prefetched
+
+inline void prefetch_bytes(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+template <typename CacheT, typename ScaleT>
+using SequenceFn = void (*)(const float*, const CacheT*, const CacheT*, const ScaleT*, const ScaleT*,
+                            const int32_t*, int64_t, int64_t, int64_t, std::vector<float>&,
+                            std::vector<float>&, float*);
+#endif
+
+// ---------------------------------------------------------------------------------------------------
 // AVX-512 path
-#if defined(__AVX512F__)
+#if defined(FREIGHT_DECODE_AVX512)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -104,13 +128,6 @@ inline __m512 load16(const at::Half* p) {
 inline __m512 load16(const double* p) {
   const __m256 low = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), high = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
   return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
-}
-
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead of use a block is prefetched
-
-inline void prefetch_bytes(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
 template <typename CacheT>
@@ -213,22 +230,206 @@ void decode_sequence_avx512(const float* q,  // [kv_heads * G, D]
   }
 }
 
-template <typename CacheT, typename ScaleT>
-using SequenceFn = void (*)(const float*, const CacheT*, const CacheT*, const ScaleT*, const ScaleT*,
-                            const int32_t*, int64_t, int64_t, int64_t, std::vector<float>&,
-                            std::vector<float>&, float*);
+// The sequence function of this build's SIMD path.
+template <int G, int D, typename CacheT, typename ScaleT>
+constexpr SequenceFn<CacheT, ScaleT> kSequenceFn = decode_sequence_avx512<G, D, CacheT, ScaleT>;
+#endif
 
+// ---------------------------------------------------------------------------------------------------
+// AVX2 path: the AVX-512 path's walk with 8-float lanes, its register budget cut to fit 16 ymm registers.
+#if defined(FREIGHT_DECODE_AVX2)
+using freight::load8;
+
+// Slots scored per step: TT slots x G heads make up to 8 independent dot products (accumulator chains),
+// enough to hide the FMA latency; their sums are reduced four at a time by one shared tree.
+constexpr int score_slots_per_step(int G) { return G >= 8 ? 1 : 8 / G; }
+
+// s[g * s_stride + tt] = (q_g . k_tt) * scale_tt for the TT slots from k (row tt at k + tt * k_stride, its
+// scale at k_scale[tt * scale_stride], or 1 without scales); the queries are FMA memory operands.
+template <int G, int D, int TT, typename CacheT, typename ScaleT>
+FREIGHT_INLINE void score_slots(const float* q,  // [G, D]
+                                const CacheT* k, int64_t k_stride, const ScaleT* k_scale, int64_t scale_stride,
+                                float* s, int64_t s_stride) {
+  constexpr int C = D / 8, N = TT * G, R = (N + 3) / 4;
+  __m256 dot[4 * R];  // [tt * G + g], zero padded to whole reductions
+  FREIGHT_UNROLL
+  for (int i = 0; i < 4 * R; ++i) dot[i] = _mm256_setzero_ps();
+  FREIGHT_UNROLL
+  for (int c = 0; c < C; ++c)
+    FREIGHT_UNROLL
+    for (int tt = 0; tt < TT; ++tt) {
+      const __m256 kc = load8(k + tt * k_stride + c * 8);
+      FREIGHT_UNROLL
+      for (int g = 0; g < G; ++g)
+        dot[tt * G + g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c * 8), kc, dot[tt * G + g]);
+    }
+  alignas(16) float sums[4 * R];
+  FREIGHT_UNROLL
+  for (int r = 0; r < R; ++r)
+    _mm_store_ps(sums + 4 * r,
+                 freight::reduce_add8x4(dot[4 * r], dot[4 * r + 1], dot[4 * r + 2], dot[4 * r + 3]));
+  FREIGHT_UNROLL
+  for (int tt = 0; tt < TT; ++tt) {
+    const float ks = k_scale ? to_float(k_scale[tt * scale_stride]) : 1.f;
+    FREIGHT_UNROLL
+    for (int g = 0; g < G; ++g) s[g * s_stride + tt] = sums[tt * G + g] * ks;
+  }
+}
+
+// 8-float chunks of the value rows accumulated per pass: G x CW accumulators, G broadcast weights and one
+// value vector stay within the 16 registers.
+template <int G, int C>
+constexpr int value_chunks_per_pass() {
+  int cw = C;
+  while (cw > 1 && G * cw + G + 1 > 16) cw /= 2;
+  return cw;
+}
+
+// acc[g, :] += sum_t w[g * w_stride + t] * v_t over n slots (row t at v + t * v_stride).
+template <int G, int D, typename CacheT>
+FREIGHT_INLINE void accumulate_values(const float* w, int64_t w_stride, const CacheT* v, int64_t v_stride,
+                                      int64_t n, float* acc_out) {  // [G, D]
+  constexpr int C = D / 8, CW = value_chunks_per_pass<G, C>();
+  for (int c0 = 0; c0 < C; c0 += CW) {
+    __m256 acc[G][CW];
+    FREIGHT_UNROLL
+    for (int g = 0; g < G; ++g)
+      FREIGHT_UNROLL
+      for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_loadu_ps(acc_out + g * D + (c0 + c) * 8);
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 wg[G];
+      FREIGHT_UNROLL
+      for (int g = 0; g < G; ++g) wg[g] = _mm256_broadcast_ss(w + g * w_stride + t);
+      FREIGHT_UNROLL
+      for (int c = 0; c < CW; ++c) {
+        const __m256 vc = load8(v + t * v_stride + (c0 + c) * 8);
+        FREIGHT_UNROLL
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(wg[g], vc, acc[g][c]);
+      }
+    }
+    FREIGHT_UNROLL
+    for (int g = 0; g < G; ++g)
+      FREIGHT_UNROLL
+      for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc_out + g * D + (c0 + c) * 8, acc[g][c]);
+  }
+}
+
+// In place: s[0, len) -> exp(s - max); returns 1 / sum.
+inline float softmax_numerators(float* s, int64_t len) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float m = freight::reduce_max8(mv);
+  for (; t < len; ++t) m = std::max(m, s[t]);
+  mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= len; t += 8) {
+    const __m256 e = freight::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = freight::reduce_add8(sv);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+// Block b's rows and, for INT8 caches, its scales (a separate array, so a second miss per block otherwise).
+template <typename CacheT, typename ScaleT>
+inline void prefetch_block_and_scales(const CacheT* cache, const ScaleT* scales, const int32_t* table, int64_t b,
+                                      int64_t num_blocks, int64_t block_elems, int64_t block_slots) {
+  if (b >= num_blocks) return;
+  prefetch_bytes(cache + table[b] * block_elems, block_elems * sizeof(CacheT));
+  if (scales) prefetch_bytes(scales + table[b] * block_slots, block_slots * sizeof(ScaleT));
+}
+
+// One sequence, every head, walked as in decode_sequence_avx512: block by block, all kv heads of a slot
+// side by side, the next blocks prefetched.
+template <int G, int D, typename CacheT, typename ScaleT>
+void decode_sequence_avx2(const float* q,  // [kv_heads * G, D]
+                          const CacheT* key_cache, const CacheT* value_cache, const ScaleT* key_scales,
+                          const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t block_size,
+                          int64_t kv_heads, std::vector<float>& scores, std::vector<float>& acc_buffer,
+                          float* out) {  // [kv_heads * G, D]
+  constexpr int TT = score_slots_per_step(G);
+  const int64_t heads = kv_heads * G;
+  const int64_t slot_elems = kv_heads * D, block_elems = block_size * slot_elems;
+  const int64_t block_slots = block_size * kv_heads;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  scores.resize(heads * len + heads);
+  float* s = scores.data();  // [heads, len]
+  float* inv_sum = s + heads * len;
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+    prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
+
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
+    prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
+                              block_slots);
+    const CacheT* kb = key_cache + block * block_elems;
+    const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      const float* qh = q + kvh * G * D;
+      float* sh = s + kvh * G * len + t0;
+      const ScaleT* ks = kscale ? kscale + kvh : nullptr;
+      int64_t t = 0;
+      for (; t + TT <= n; t += TT)
+        score_slots<G, D, TT>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
+                              kv_heads, sh + t, len);
+      for (; t < n; ++t)
+        score_slots<G, D, 1>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
+                             kv_heads, sh + t, len);
+    }
+  }
+
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+    prefetch_block_and_scales(value_cache, value_scales, table, b, num_blocks, block_elems, block_slots);
+  for (int64_t h = 0; h < heads; ++h) inv_sum[h] = softmax_numerators(s + h * len, len);
+
+  acc_buffer.assign(heads * D, 0.f);
+  float* acc_all = acc_buffer.data();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
+    prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
+                              block_slots);
+    const CacheT* vb = value_cache + block * block_elems;
+    const ScaleT* vscale = value_scales ? value_scales + block * block_slots : nullptr;
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      float* sh = s + kvh * G * len + t0;
+      if (vscale)  // the weights take the value scales: each weight is used once
+        for (int64_t t = 0; t < n; ++t) {
+          const float vs = to_float(vscale[t * kv_heads + kvh]);
+          for (int g = 0; g < G; ++g) sh[g * len + t] *= vs;
+        }
+      accumulate_values<G, D>(sh, len, vb + kvh * D, slot_elems, n, acc_all + kvh * G * D);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[h]);
+    for (int c = 0; c < D / 8; ++c)
+      _mm256_storeu_ps(out + h * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc_all + h * D + c * 8), inv));
+  }
+}
+
+// The sequence function of this build's SIMD path.
+template <int G, int D, typename CacheT, typename ScaleT>
+constexpr SequenceFn<CacheT, ScaleT> kSequenceFn = decode_sequence_avx2<G, D, CacheT, ScaleT>;
+#endif
+
+#if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
 template <int D, typename CacheT, typename ScaleT>
 SequenceFn<CacheT, ScaleT> pick_group(int64_t group) {
   switch (group) {
-    case 1: return decode_sequence_avx512<1, D, CacheT, ScaleT>;
-    case 2: return decode_sequence_avx512<2, D, CacheT, ScaleT>;
-    case 3: return decode_sequence_avx512<3, D, CacheT, ScaleT>;
-    case 4: return decode_sequence_avx512<4, D, CacheT, ScaleT>;
-    case 5: return decode_sequence_avx512<5, D, CacheT, ScaleT>;
-    case 6: return decode_sequence_avx512<6, D, CacheT, ScaleT>;
-    case 7: return decode_sequence_avx512<7, D, CacheT, ScaleT>;
-    case 8: return decode_sequence_avx512<8, D, CacheT, ScaleT>;
+    case 1: return kSequenceFn<1, D, CacheT, ScaleT>;
+    case 2: return kSequenceFn<2, D, CacheT, ScaleT>;
+    case 3: return kSequenceFn<3, D, CacheT, ScaleT>;
+    case 4: return kSequenceFn<4, D, CacheT, ScaleT>;
+    case 5: return kSequenceFn<5, D, CacheT, ScaleT>;
+    case 6: return kSequenceFn<6, D, CacheT, ScaleT>;
+    case 7: return kSequenceFn<7, D, CacheT, ScaleT>;
+    case 8: return kSequenceFn<8, D, CacheT, ScaleT>;
     default: return nullptr;
   }
 }
@@ -256,7 +457,7 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
                       int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks) {
   const int64_t group = num_heads / kv_heads;
-#if defined(__AVX512F__)
+#if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
   const SequenceFn<CacheT, ScaleT> fast = pick_task<CacheT, ScaleT>(group, head_dim);
   if (fast) {
     at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {

@@ -1,16 +1,24 @@
-// The memory passes around torch._int_mm on CPU, each fused into one pass over the rows:
-//   quantize_rows: float rows -> int8 rows + one float32 scale per row (symmetric, absmax / 127);
-//   dequantize_rows: int32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
+// The memory passes around a CPU int8 GEMM (torch._int_mm, or oneDNN's u8 x s8 qlinear), each fused into
+// one pass over the rows:
+//   quantize_rows: float rows -> int8 rows + one float32 scale per row (symmetric, absmax / 127); or uint8
+//     rows holding q + 128, the unsigned activations oneDNN's qlinear takes with zero point 128;
+//   dequantize_rows: int32 or float32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
 //   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats.
 // Unfused, each of these is four to six full passes over an [M, N] tensor, which at prefill sizes cost
 // more than the integer matmul itself.
+//
+// Code paths, picked by the ISA the build targets: AVX-512 (16 lanes, masked tails), else AVX2 + FMA
+// (8 lanes, the row's last cols % 8 elements through the portable code), else portable loops. The SIMD
+// paths take float32 and bfloat16; float16 always runs the portable loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
+#include "avx2_math.h"
 #include "avx512_math.h"
 
 namespace {
@@ -22,9 +30,64 @@ inline float to_float(T value) {
   return static_cast<float>(value);
 }
 
+// round(x / scale) clamped to [-127, 127]: an exact division and round-half-to-even, as torch's
+// x / scale and round() do, so the codes match kernels/int8_linear.py quantize_per_token_torch exactly.
+inline int32_t quantize_value(float x, float scale) {
+  return static_cast<int32_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x / scale))));
+}
+
+// A code as stored: int8 q, or uint8 q + 128 (oneDNN's asymmetric u8 activations, zero point 128).
+template <typename QT>
+inline QT to_code(int32_t q) {
+  return static_cast<QT>(std::is_same_v<QT, uint8_t> ? q + 128 : q);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Portable rows (also the AVX2 rows' tails past the last multiple of 8)
+template <typename InT>
+float absmax_generic(const InT* x, int64_t cols) {
+  float absmax = 0.f;
+  for (int64_t c = 0; c < cols; ++c) absmax = std::max(absmax, std::fabs(to_float(x[c])));
+  return absmax;
+}
+
+template <typename InT, typename QT>
+void quantize_codes_generic(const InT* x, QT* q, float scale, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) q[c] = to_code<QT>(quantize_value(to_float(x[c]), scale));
+}
+
+template <typename InT, typename QT>
+void quantize_row_generic(const InT* x, QT* q, float* scale_out, int64_t cols) {
+  const float scale = std::max(absmax_generic(x, cols) / 127.f, kScaleEps);
+  quantize_codes_generic(x, q, scale, cols);
+  *scale_out = scale;
+}
+
+template <typename AccT, typename OutT>
+void dequantize_row_generic(const AccT* acc, float xs, const float* w_scale, const OutT* bias,
+                            const OutT* residual, OutT* out, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float y = static_cast<float>(acc[c]) * xs * w_scale[c];
+    if (bias) y += to_float(bias[c]);
+    if (residual) y += to_float(residual[c]);
+    out[c] = static_cast<OutT>(y);
+  }
+}
+
+template <typename AccT, typename OutT>
+void silu_mul_row_generic(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up,
+                          OutT* out, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float g = static_cast<float>(gate[c]) * xs * w_gate[c];
+    const float u = static_cast<float>(up[c]) * xs * w_up[c];
+    out[c] = static_cast<OutT>(g / (1.f + std::exp(-g)) * u);
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FREIGHT_AVX512 1
-// 16 lanes at a time; `n` < 16 only at a row's tail (masked loads and stores).
+#define FREIGHT_SIMD 1
+// ---------------------------------------------------------------------------------------------------
+// AVX-512: 16 lanes at a time; `n` < 16 only at a row's tail (masked loads and stores).
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -32,6 +95,7 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline __m512 load16(const int32_t* p, __mmask16 m) { return _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, p)); }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
   // round to nearest even, as torch's float -> bfloat16 conversion (NaN stays NaN)
@@ -45,8 +109,8 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 
 using freight::exp16;
 
-template <typename InT>
-void quantize_row(const InT* x, int8_t* q, float* scale_out, int64_t cols) {
+template <typename InT, typename QT>
+void quantize_row(const InT* x, QT* q, float* scale_out, int64_t cols) {
   __m512 absmax = _mm512_setzero_ps();
   for (int64_t c = 0; c < cols; c += 16)
     absmax = _mm512_max_ps(absmax, _mm512_abs_ps(load16(x + c, tail_mask(cols - c))));
@@ -58,35 +122,34 @@ void quantize_row(const InT* x, int8_t* q, float* scale_out, int64_t cols) {
     __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + c, m), scale_v),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-    _mm_mask_storeu_epi8(q + c, m, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    __m128i codes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));
+    if constexpr (std::is_same_v<QT, uint8_t>) codes = _mm_xor_si128(codes, _mm_set1_epi8(char(0x80)));  // q + 128
+    _mm_mask_storeu_epi8(q + c, m, codes);
   }
   *scale_out = scale;
 }
 
-template <typename OutT>
-void dequantize_row(const int32_t* acc, float xs, const float* w_scale, const OutT* bias, const OutT* residual,
+template <typename AccT, typename OutT>
+void dequantize_row(const AccT* acc, float xs, const float* w_scale, const OutT* bias, const OutT* residual,
                     OutT* out, int64_t cols) {
   const __m512 xs_v = _mm512_set1_ps(xs);
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 m = tail_mask(cols - c);
-    __m512 y = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + c));
-    y = _mm512_mul_ps(_mm512_mul_ps(y, xs_v), _mm512_maskz_loadu_ps(m, w_scale + c));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16(acc + c, m), xs_v), _mm512_maskz_loadu_ps(m, w_scale + c));
     if (bias) y = _mm512_add_ps(y, load16(bias + c, m));
     if (residual) y = _mm512_add_ps(y, load16(residual + c, m));
     store16(out + c, y, m);
   }
 }
 
-template <typename OutT>
-void silu_mul_row(const int32_t* gate, const int32_t* up, float xs, const float* w_gate, const float* w_up,
-                  OutT* out, int64_t cols) {
+template <typename AccT, typename OutT>
+void silu_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
+                  int64_t cols) {
   const __m512 xs_v = _mm512_set1_ps(xs);
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 m = tail_mask(cols - c);
-    const __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, gate + c)), xs_v),
-                                   _mm512_maskz_loadu_ps(m, w_gate + c));
-    const __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, up + c)), xs_v),
-                                   _mm512_maskz_loadu_ps(m, w_up + c));
+    const __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(gate + c, m), xs_v), _mm512_maskz_loadu_ps(m, w_gate + c));
+    const __m512 u = _mm512_mul_ps(_mm512_mul_ps(load16(up + c, m), xs_v), _mm512_maskz_loadu_ps(m, w_up + c));
     // 1 / (1 + e^-g): a 14-bit reciprocal estimate refined by one Newton step (about 1e-7 relative)
     const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     __m512 sig = _mm512_rcp14_ps(denom);
@@ -95,6 +158,97 @@ void silu_mul_row(const int32_t* gate, const int32_t* up, float xs, const float*
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FREIGHT_SIMD 1
+// ---------------------------------------------------------------------------------------------------
+// AVX2 + FMA: 8 lanes at a time over the row's first cols - cols % 8 elements; AVX2 has no 8- or 16-bit
+// masked loads and stores, so the few elements past them run the portable code.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const int32_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  // round to nearest even, as torch's float -> bfloat16 conversion (NaN stays NaN)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  // 8 values in [0, 0xFFFF]: the unsigned-saturating pack keeps them as they are
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// 8 codes in [-127, 127] (int32 lanes) -> 8 bytes: int8 q, or uint8 q + 128 (flipping the sign bit)
+template <typename QT>
+inline void store_codes8(QT* p, __m256i q) {
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  __m128i bytes = _mm_packs_epi16(words, words);
+  if constexpr (std::is_same_v<QT, uint8_t>) bytes = _mm_xor_si128(bytes, _mm_set1_epi8(char(0x80)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
+}
+
+using freight::exp8;
+using freight::reduce_max8;
+
+template <typename InT, typename QT>
+void quantize_row(const InT* x, QT* q, float* scale_out, int64_t cols) {
+  const int64_t body = cols - cols % 8;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 absmax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < body; c += 8) absmax = _mm256_max_ps(absmax, _mm256_and_ps(load8(x + c), abs_mask));
+  const float row_absmax = std::max(reduce_max8(absmax), absmax_generic(x + body, cols - body));
+  const float scale = std::max(row_absmax / 127.f, kScaleEps);
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (int64_t c = 0; c < body; c += 8) {
+    // an exact division and round-half-to-even, as torch's x / scale and round() do
+    __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + c), scale_v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+    store_codes8(q + c, _mm256_cvtps_epi32(v));
+  }
+  quantize_codes_generic(x + body, q + body, scale, cols - body);
+  *scale_out = scale;
+}
+
+template <typename AccT, typename OutT>
+void dequantize_row(const AccT* acc, float xs, const float* w_scale, const OutT* bias, const OutT* residual,
+                    OutT* out, int64_t cols) {
+  const int64_t body = cols - cols % 8;
+  const __m256 xs_v = _mm256_set1_ps(xs);
+  for (int64_t c = 0; c < body; c += 8) {
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(load8(acc + c), xs_v), _mm256_loadu_ps(w_scale + c));
+    if (bias) y = _mm256_add_ps(y, load8(bias + c));
+    if (residual) y = _mm256_add_ps(y, load8(residual + c));
+    store8(out + c, y);
+  }
+  dequantize_row_generic(acc + body, xs, w_scale + body, bias ? bias + body : nullptr,
+                         residual ? residual + body : nullptr, out + body, cols - body);
+}
+
+template <typename AccT, typename OutT>
+void silu_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
+                  int64_t cols) {
+  const int64_t body = cols - cols % 8;
+  const __m256 xs_v = _mm256_set1_ps(xs);
+  for (int64_t c = 0; c < body; c += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(gate + c), xs_v), _mm256_loadu_ps(w_gate + c));
+    const __m256 u = _mm256_mul_ps(_mm256_mul_ps(load8(up + c), xs_v), _mm256_loadu_ps(w_up + c));
+    // 1 / (1 + e^-g): a 12-bit reciprocal estimate refined by one Newton step (about 2e-7 relative)
+    const __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    __m256 sig = _mm256_rcp_ps(denom);
+    sig = _mm256_mul_ps(sig, _mm256_fnmadd_ps(denom, sig, _mm256_set1_ps(2.f)));
+    store8(out + c, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+  }
+  silu_mul_row_generic(gate + body, up + body, xs, w_gate + body, w_up + body, out + body, cols - body);
+}
+#endif
+
+#ifdef FREIGHT_SIMD
 template <typename T>
 constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
 #else
@@ -102,43 +256,11 @@ template <typename T>
 constexpr bool kVectorized = false;
 #endif
 
-// Portable rows: the same arithmetic, one element at a time.
-template <typename InT>
-void quantize_row_generic(const InT* x, int8_t* q, float* scale_out, int64_t cols) {
-  float absmax = 0.f;
-  for (int64_t c = 0; c < cols; ++c) absmax = std::max(absmax, std::fabs(to_float(x[c])));
-  const float scale = std::max(absmax / 127.f, kScaleEps);
-  for (int64_t c = 0; c < cols; ++c)
-    q[c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(to_float(x[c]) / scale))));
-  *scale_out = scale;
-}
-
-template <typename OutT>
-void dequantize_row_generic(const int32_t* acc, float xs, const float* w_scale, const OutT* bias,
-                            const OutT* residual, OutT* out, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) {
-    float y = static_cast<float>(acc[c]) * xs * w_scale[c];
-    if (bias) y += to_float(bias[c]);
-    if (residual) y += to_float(residual[c]);
-    out[c] = static_cast<OutT>(y);
-  }
-}
-
-template <typename OutT>
-void silu_mul_row_generic(const int32_t* gate, const int32_t* up, float xs, const float* w_gate,
-                          const float* w_up, OutT* out, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const float g = static_cast<float>(gate[c]) * xs * w_gate[c];
-    const float u = static_cast<float>(up[c]) * xs * w_up[c];
-    out[c] = static_cast<OutT>(g / (1.f + std::exp(-g)) * u);
-  }
-}
-
-template <typename InT>
-void quantize_rows_kernel(const InT* x, int8_t* q, float* scales, int64_t rows, int64_t cols) {
+template <typename InT, typename QT>
+void quantize_rows_kernel(const InT* x, QT* q, float* scales, int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-#ifdef FREIGHT_AVX512
+#ifdef FREIGHT_SIMD
       if constexpr (kVectorized<InT>) {
         quantize_row(x + r * cols, q + r * cols, scales + r, cols);
         continue;
@@ -149,36 +271,40 @@ void quantize_rows_kernel(const InT* x, int8_t* q, float* scales, int64_t rows, 
   });
 }
 
-template <typename OutT>
-void dequantize_rows_kernel(const int32_t* acc, const float* x_scale, const float* w_scale, const OutT* bias,
-                            const OutT* residual, int64_t residual_stride, OutT* out, int64_t out_stride,
-                            int64_t rows, int64_t cols) {
+template <typename AccT, typename OutT>
+void dequantize_rows_kernel(const AccT* acc, int64_t acc_stride, const float* x_scale, const float* w_scale,
+                            const OutT* bias, const OutT* residual, int64_t residual_stride, OutT* out,
+                            int64_t out_stride, int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      const AccT* a = acc + r * acc_stride;
       const OutT* res = residual ? residual + r * residual_stride : nullptr;
-#ifdef FREIGHT_AVX512
+#ifdef FREIGHT_SIMD
       if constexpr (kVectorized<OutT>) {
-        dequantize_row(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
+        dequantize_row(a, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
         continue;
       }
 #endif
-      dequantize_row_generic(acc + r * cols, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
+      dequantize_row_generic(a, x_scale[r], w_scale, bias, res, out + r * out_stride, cols);
     }
   });
 }
 
-template <typename OutT>
-void dequantize_silu_mul_kernel(const int32_t* gate, const int32_t* up, const float* x_scale, const float* w_gate,
-                                const float* w_up, OutT* out, int64_t out_stride, int64_t rows, int64_t cols) {
+template <typename AccT, typename OutT>
+void dequantize_silu_mul_kernel(const AccT* gate, const AccT* up, int64_t acc_stride, const float* x_scale,
+                                const float* w_gate, const float* w_up, OutT* out, int64_t out_stride,
+                                int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-#ifdef FREIGHT_AVX512
+      const AccT* g = gate + r * acc_stride;
+      const AccT* u = up + r * acc_stride;
+#ifdef FREIGHT_SIMD
       if constexpr (kVectorized<OutT>) {
-        silu_mul_row(gate + r * cols, up + r * cols, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
+        silu_mul_row(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
         continue;
       }
 #endif
-      silu_mul_row_generic(gate + r * cols, up + r * cols, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
+      silu_mul_row_generic(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
     }
   });
 }
@@ -192,49 +318,93 @@ void check_row_view(const torch::Tensor& t, const torch::Tensor& like, const cha
               " must be a [M, N] view with contiguous rows");
 }
 
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
+              " must be a contiguous float32 vector of ", n);
+}
+
+// Calls f with acc's data as const int32_t* or const float*.
+template <typename F>
+void with_accumulator(const torch::Tensor& acc, F&& f) {
+  if (acc.scalar_type() == at::kInt) {
+    f(acc.const_data_ptr<int32_t>());
+  } else {
+    TORCH_CHECK(acc.scalar_type() == at::kFloat, "products must be int32 or float32");
+    f(acc.const_data_ptr<float>());
+  }
+}
+
+template <typename Ptr>
+using pointee_t = std::remove_const_t<std::remove_pointer_t<Ptr>>;
+
 }  // namespace
 
-// x [M, K] float32/bfloat16/float16 -> (q [M, K] int8, scale [M] float32), written into q and scale.
+// x [M, K] float32/bfloat16/float16 -> (q [M, K], scale [M] float32), written into q and scale. q is int8
+// (the codes) or uint8 (codes + 128, for oneDNN's u8 activations with zero point 128).
 void quantize_rows(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   check_rows(x, "x");
   check_rows(q, "q");
-  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "q int8, scale float32");
+  TORCH_CHECK(q.sizes() == x.sizes(), "q must have x's shape");
+  check_vector(scale, x.size(0), "scale");
+  TORCH_CHECK(q.scalar_type() == at::kChar || q.scalar_type() == at::kByte, "q must be int8 or uint8");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
-    quantize_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                   x.size(0), x.size(1));
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    if (q.scalar_type() == at::kChar) {
+      quantize_rows_kernel(xp, q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), x.size(1));
+    } else {
+      quantize_rows_kernel(xp, q.data_ptr<uint8_t>(), scale.data_ptr<float>(), x.size(0), x.size(1));
+    }
   });
 }
 
-// acc [M, N] int32 contiguous, x_scale [M], w_scale [N] float32; bias [N] in out's dtype; residual and
-// out [M, N] views with contiguous rows (column slices of wider tensors are fine).
+// acc [M, N] int32 or float32 with contiguous rows, x_scale [M], w_scale [N] float32; bias [N] in out's
+// dtype; residual and out [M, N] views with contiguous rows (column slices of wider tensors are fine).
 void dequantize_rows(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, torch::Tensor out) {
-  check_rows(acc, "acc");
+  TORCH_CHECK(acc.dim() == 2 && acc.stride(1) == 1, "acc must be a 2-D view with contiguous rows");
   check_row_view(out, acc, "out");
-  TORCH_CHECK(acc.scalar_type() == at::kInt, "acc must be int32");
-  if (residual) check_row_view(*residual, acc, "residual");
+  check_vector(x_scale, acc.size(0), "x_scale");
+  check_vector(w_scale, acc.size(1), "w_scale");
+  if (residual) {
+    check_row_view(*residual, acc, "residual");
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type(), "residual must have out's dtype");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == acc.size(1) && bias->is_contiguous() &&
+                    bias->scalar_type() == out.scalar_type(),
+                "bias must be a contiguous [N] vector in out's dtype");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
-    dequantize_rows_kernel<scalar_t>(acc.data_ptr<int32_t>(), x_scale.data_ptr<float>(), w_scale.data_ptr<float>(),
-                                     bias ? bias->data_ptr<scalar_t>() : nullptr,
-                                     residual ? residual->data_ptr<scalar_t>() : nullptr,
-                                     residual ? residual->stride(0) : 0, out.data_ptr<scalar_t>(), out.stride(0),
-                                     acc.size(0), acc.size(1));
+    with_accumulator(acc, [&](auto acc_ptr) {
+      dequantize_rows_kernel<pointee_t<decltype(acc_ptr)>, scalar_t>(
+          acc_ptr, acc.stride(0), x_scale.const_data_ptr<float>(), w_scale.const_data_ptr<float>(),
+          bias ? bias->const_data_ptr<scalar_t>() : nullptr, residual ? residual->const_data_ptr<scalar_t>() : nullptr,
+          residual ? residual->stride(0) : 0, out.data_ptr<scalar_t>(), out.stride(0), acc.size(0), acc.size(1));
+    });
   });
 }
 
-// gate, up [M, I] int32 contiguous (the two halves' products), w_gate, w_up [I] -> out [M, I] view with
-// contiguous rows = silu(gate) * up.
+// gate, up [M, I] int32 or float32 views with contiguous rows and one row stride (two contiguous products,
+// or the two column halves of one [M, 2 * I] product), w_gate, w_up [I] -> out [M, I] view with contiguous
+// rows = silu(gate) * up.
 void dequantize_silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor x_scale, torch::Tensor w_gate,
                          torch::Tensor w_up, torch::Tensor out) {
-  check_rows(gate, "gate");
-  check_rows(up, "up");
+  TORCH_CHECK(gate.dim() == 2 && gate.stride(1) == 1, "gate must be a 2-D view with contiguous rows");
+  check_row_view(up, gate, "up");
+  TORCH_CHECK(up.stride(0) == gate.stride(0) && up.scalar_type() == gate.scalar_type(),
+              "gate and up must share dtype and row stride");
   check_row_view(out, gate, "out");
-  TORCH_CHECK(gate.scalar_type() == at::kInt && up.scalar_type() == at::kInt && gate.sizes() == up.sizes(),
-              "gate and up: int32 [M, I]");
+  check_vector(x_scale, gate.size(0), "x_scale");
+  check_vector(w_gate, gate.size(1), "w_gate");
+  check_vector(w_up, gate.size(1), "w_up");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_silu_mul", [&] {
-    dequantize_silu_mul_kernel<scalar_t>(gate.data_ptr<int32_t>(), up.data_ptr<int32_t>(), x_scale.data_ptr<float>(),
-                                         w_gate.data_ptr<float>(), w_up.data_ptr<float>(), out.data_ptr<scalar_t>(),
-                                         out.stride(0), gate.size(0), gate.size(1));
+    with_accumulator(gate, [&](auto gate_ptr) {
+      using AccT = pointee_t<decltype(gate_ptr)>;
+      dequantize_silu_mul_kernel<AccT, scalar_t>(gate_ptr, up.const_data_ptr<AccT>(), gate.stride(0),
+                                                 x_scale.const_data_ptr<float>(), w_gate.const_data_ptr<float>(),
+                                                 w_up.const_data_ptr<float>(), out.data_ptr<scalar_t>(),
+                                                 out.stride(0), gate.size(0), gate.size(1));
+    });
   });
 }
 

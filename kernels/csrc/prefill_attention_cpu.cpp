@@ -1,13 +1,17 @@
-// Causal prefill attention for CPU over packed variable-length sequences, bfloat16 in and out, using
-// AVX-512 BF16 dot products (vdpbf16ps: 32 bf16 products summed in pairs into 16 float32 lanes).
+// Causal prefill attention for CPU over packed variable-length sequences, two kernels:
+//   - bfloat16 in and out, using AVX-512 BF16 dot products (vdpbf16ps: 32 bf16 products summed in pairs
+//     into 16 float32 lanes);
+//   - float32 in and out, using AVX2 + FMA (8 float32 lanes; built on every x86 tier from AVX2 up).
 //
 // Used when a sequence's chunk is its whole context (no cached prefix): queries, keys and values are the
 // step's own tensors. Flash-attention style: each task takes R query rows of one kv head's group and walks
-// the keys in tiles of 32 with an online softmax, so scores are never stored. Keys and values are first
-// repacked per (sequence, kv head) into the pair-interleaved layouts vdpbf16ps reads:
+// the keys in tiles with an online softmax, so scores are never stored; all sequences of the step run in
+// one parallel loop. The bf16 kernel first repacks keys and values per (sequence, kv head) into the
+// pair-interleaved layouts vdpbf16ps reads:
 //   keys   [tile][d / 2][32 keys][2]   -> S[row, 32 keys] accumulates over d pairs (query pair broadcast)
 //   values [tile][16 key pairs][d][2]  -> O[row, d]       accumulates over key pairs (prob pair broadcast)
 // Float32 accumulation throughout; probabilities are rounded to bf16 for the P.V product, as bf16 SDPA does.
+// The float32 kernel repacks only the keys (see its section).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,12 +24,15 @@
 #include "avx512_math.h"
 #define FREIGHT_PREFILL_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "avx2_math.h"
+#define FREIGHT_PREFILL_F32 1
+#endif
 
 namespace {
 
-constexpr int64_t kTile = 32;  // keys per tile
-
 #ifdef FREIGHT_PREFILL_BF16
+constexpr int64_t kTile = 32;  // keys per tile
 using freight::exp2_16;
 
 inline uint32_t pair(uint16_t low, uint16_t high) { return uint32_t(low) | (uint32_t(high) << 16); }
@@ -179,10 +186,211 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int3
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------------
+// float32, AVX2 + FMA (8 float lanes; also what AVX-512 machines run for float32 queries).
+// Each task takes R query rows of one kv head's group and walks the keys in tiles of 16 with an online
+// softmax. The keys are first repacked per (sequence, kv head) d-major, [tile][D][16 keys], so that
+// S[row, 16 keys] accumulates over d with the query element broadcast and no horizontal sums; values are
+// read in place, O[row, d] accumulating over keys with the probability broadcast.
+#ifdef FREIGHT_PREFILL_F32
+constexpr int64_t kTileF32 = 16;  // keys per tile: two vectors of S per row
+constexpr int kRowsF32 = 6;       // query rows per task: 6 x 2 S accumulators + 2 key vectors + 1 broadcast
+
+// Keys of positions [0, len) of rows k[pos * stride + d], transposed to [tile][d][16], zero padded.
+void pack_keys_f32(const float* k, int64_t stride, int64_t len, int64_t D, float* kp) {
+  const int64_t tiles = (len + kTileF32 - 1) / kTileF32;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    float* kt = kp + tile * D * kTileF32;
+    for (int64_t j = 0; j < kTileF32; ++j) {
+      const int64_t pos = tile * kTileF32 + j;
+      const float* kr = pos < len ? k + pos * stride : nullptr;
+      for (int64_t d = 0; d < D; ++d) kt[d * kTileF32 + j] = kr ? kr[d] : 0.f;
+    }
+  }
+}
+
+// R query rows (row r: position pos[r], pointers q_rows[r], out_rows[r]) against keys [0, max pos]: key tiles
+// from kp, value rows v + key * v_stride. Rows past `rows` are padding (copies of row 0), never written.
+template <int D>
+void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, const float* kp, const float* v,
+                     int64_t v_stride, float scale_log2, float* const* out_rows) {
+  constexpr int R = kRowsF32, C = D / 8;
+  constexpr int CW = 2;  // output chunks per pass over a tile's values: R x 2 accumulators + 2 value vectors
+  alignas(32) float q[R][D];  // scaled by scale * log2(e): the softmax runs in base 2
+  alignas(32) float o[R][D];
+  alignas(32) float p[R][kTileF32];  // scores, then probabilities, of the current tile
+  alignas(32) float m[8];            // running max per row (lanes past R unused)
+  alignas(32) float l[R][8];         // running sum per row, 8 partial sums
+  const __m256 qscale = _mm256_set1_ps(scale_log2);
+  int64_t row_pos[R];
+  for (int r = 0; r < R; ++r) {
+    const float* src = q_rows[r < rows ? r : 0];
+    row_pos[r] = pos[r < rows ? r : 0];
+    for (int c = 0; c < C; ++c) {
+      _mm256_store_ps(q[r] + c * 8, _mm256_mul_ps(_mm256_loadu_ps(src + c * 8), qscale));
+      _mm256_store_ps(o[r] + c * 8, _mm256_setzero_ps());
+    }
+  }
+  // finite: the first tile holds key 0, visible to every row, so m is a real score after it
+  _mm256_store_ps(m, _mm256_set1_ps(-1e30f));
+  for (int r = 0; r < R; ++r) _mm256_store_ps(l[r], _mm256_setzero_ps());
+  int64_t last = 0;
+  for (int r = 0; r < rows; ++r) last = std::max(last, pos[r]);
+  const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_add_ps(lane0, _mm256_set1_ps(8.f));
+  for (int64_t key0 = 0; key0 <= last; key0 += kTileF32) {
+    // S = Q . K^T for the tile, accumulated in registers over d
+    const float* kt = kp + key0 * D;  // [D][16]
+    __m256 s[R][2];
+    FREIGHT_UNROLL
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_load_ps(kt + d * kTileF32), k1 = _mm256_load_ps(kt + d * kTileF32 + 8);
+      FREIGHT_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 qb = _mm256_broadcast_ss(q[r] + d);
+        s[r][0] = _mm256_fmadd_ps(qb, k0, s[r][0]);
+        s[r][1] = _mm256_fmadd_ps(qb, k1, s[r][1]);
+      }
+    }
+    FREIGHT_UNROLL
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(p[r], s[r][0]);
+      _mm256_store_ps(p[r] + 8, s[r][1]);
+    }
+
+    // online softmax. Keys past a row's position are masked (causal), which also masks the padding past the
+    // sequence; only a tile reaching past the block's first (smallest) position has any.
+    const bool diagonal = key0 + kTileF32 - 1 > row_pos[0];
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    alignas(32) float m_new[8];
+    _mm256_store_ps(m_new, _mm256_load_ps(m));
+    for (int r = 0; r < R; ++r) {
+      __m256 s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
+      if (diagonal) {
+        const __m256 limit = _mm256_set1_ps(float(row_pos[r] - key0));
+        s0 = _mm256_blendv_ps(ninf, s0, _mm256_cmp_ps(lane0, limit, _CMP_LE_OQ));
+        s1 = _mm256_blendv_ps(ninf, s1, _mm256_cmp_ps(lane1, limit, _CMP_LE_OQ));
+        _mm256_store_ps(p[r], s0);
+        _mm256_store_ps(p[r] + 8, s1);
+      }
+      m_new[r] = std::max(m[r], freight::reduce_max8(_mm256_max_ps(s0, s1)));
+    }
+    // rescaling of the rows' running sums and outputs: one exp2 for all rows
+    alignas(32) float alpha[8];
+    const __m256 m_new_v = _mm256_load_ps(m_new);
+    _mm256_store_ps(alpha, freight::exp2_8(_mm256_sub_ps(_mm256_load_ps(m), m_new_v)));
+    _mm256_store_ps(m, m_new_v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 mv = _mm256_set1_ps(m[r]), s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
+      __m256 p0 = freight::exp2_8(_mm256_sub_ps(s0, mv)), p1 = freight::exp2_8(_mm256_sub_ps(s1, mv));
+      if (diagonal) {  // exp2_8 clamps its argument at -126: a masked score needs its zero set
+        p0 = _mm256_andnot_ps(_mm256_cmp_ps(s0, ninf, _CMP_EQ_OQ), p0);
+        p1 = _mm256_andnot_ps(_mm256_cmp_ps(s1, ninf, _CMP_EQ_OQ), p1);
+      }
+      _mm256_store_ps(l[r], _mm256_fmadd_ps(_mm256_load_ps(l[r]), _mm256_set1_ps(alpha[r]), _mm256_add_ps(p0, p1)));
+      _mm256_store_ps(p[r], p0);
+      _mm256_store_ps(p[r] + 8, p1);
+    }
+
+    // O = alpha * O + P . V, CW chunks of O at a time; keys of the tile that no row sees are never read
+    // (they may lie past the tensor's end)
+    const int64_t keys = std::min<int64_t>(kTileF32, last - key0 + 1);
+    const float* vt = v + key0 * v_stride;
+    for (int c0 = 0; c0 < C; c0 += CW) {
+      __m256 acc[R][CW];
+      FREIGHT_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_set1_ps(alpha[r]);
+        FREIGHT_UNROLL
+        for (int c = 0; c < CW; ++c) acc[r][c] = _mm256_mul_ps(_mm256_load_ps(o[r] + (c0 + c) * 8), a);
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        __m256 vv[CW];
+        FREIGHT_UNROLL
+        for (int c = 0; c < CW; ++c) vv[c] = _mm256_loadu_ps(vt + j * v_stride + (c0 + c) * 8);
+        FREIGHT_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256 pb = _mm256_broadcast_ss(p[r] + j);
+          FREIGHT_UNROLL
+          for (int c = 0; c < CW; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
+        }
+      }
+      FREIGHT_UNROLL
+      for (int r = 0; r < R; ++r)
+        FREIGHT_UNROLL
+        for (int c = 0; c < CW; ++c) _mm256_store_ps(o[r] + (c0 + c) * 8, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / freight::reduce_add8(_mm256_load_ps(l[r])));
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(out_rows[r] + c * 8, _mm256_mul_ps(_mm256_load_ps(o[r] + c * 8), inv));
+  }
+}
+
+template <int D>
+void prefill_f32(const float* q, const float* k, const float* v, const int32_t* seq_start, const int32_t* seq_len,
+                 int64_t num_seqs, int64_t H, int64_t KVH, float scale, float* out) {
+  constexpr int R = kRowsF32;
+  const int64_t G = H / KVH;
+  // packed keys: each (sequence, kv head) gets its length rounded up to whole tiles
+  std::vector<int64_t> packed_offset(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t padded = (seq_len[s] + kTileF32 - 1) / kTileF32 * kTileF32;
+    packed_offset[s + 1] = packed_offset[s] + padded * KVH * D;
+  }
+  const at::Tensor packed = at::empty({packed_offset[num_seqs]}, at::kFloat);  // 64-byte aligned
+  float* kp = packed.data_ptr<float>();
+  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / KVH, h = task % KVH, len = seq_len[s];
+      const int64_t padded = (len + kTileF32 - 1) / kTileF32 * kTileF32;
+      pack_keys_f32(k + (seq_start[s] * KVH + h) * D, KVH * D, len, D, kp + packed_offset[s] + h * padded * D);
+    }
+  });
+  // tasks: (sequence, kv head, block of R rows); rows run position-major over the group's heads, so a block's
+  // rows share their keys
+  std::vector<int64_t> task_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) task_start[s + 1] = task_start[s] + KVH * ((seq_len[s] * G + R - 1) / R);
+  const float scale_log2 = scale * 1.4426950408889634f;
+  at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= task_start[s + 1]) ++s;
+      const int64_t len = seq_len[s], rows_total = len * G;
+      const int64_t blocks = (rows_total + R - 1) / R, local = task - task_start[s];
+      const int64_t h = local / blocks, first = (local % blocks) * R;
+      const int rows = int(std::min<int64_t>(R, rows_total - first));
+      const float* q_rows[R];
+      float* out_rows[R];
+      int64_t pos[R] = {};
+      for (int r = 0; r < rows; ++r) {
+        const int64_t row = first + r, p = row / G, g = row % G;
+        const int64_t offset = ((seq_start[s] + p) * H + h * G + g) * D;
+        q_rows[r] = q + offset;
+        out_rows[r] = out + offset;
+        pos[r] = p;
+      }
+      const int64_t padded = (len + kTileF32 - 1) / kTileF32 * kTileF32;
+      attend_rows_f32<D>(q_rows, pos, rows, kp + packed_offset[s] + h * padded * D,
+                         v + (seq_start[s] * KVH + h) * D, KVH * D, scale_log2, out_rows);
+    }
+  });
+}
+#endif
+
 }  // namespace
 
-bool available() {
+bool available_bf16() {
 #ifdef FREIGHT_PREFILL_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool available_f32() {
+#ifdef FREIGHT_PREFILL_F32
   return true;
 #else
   return false;
@@ -221,7 +429,39 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
 #endif
 }
 
+// As prefill_attention_bf16, float32 tensors.
+void prefill_attention_f32(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor seq_start,
+                           torch::Tensor seq_len, double scale, torch::Tensor out) {
+#ifdef FREIGHT_PREFILL_F32
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "float32 tensors only");
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() && out.is_contiguous(),
+              "contiguous tensors only");
+  TORCH_CHECK(seq_start.scalar_type() == at::kInt && seq_len.scalar_type() == at::kInt, "int32 seq_start, seq_len");
+  const int64_t H = query.size(1), KVH = key.size(1), D = query.size(2);
+  const float* q = query.data_ptr<float>();
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int32_t* starts = seq_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_len.data_ptr<int32_t>();
+  const int64_t num_seqs = seq_start.size(0);
+  if (D == 64) {
+    prefill_f32<64>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+  } else if (D == 128) {
+    prefill_f32<128>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+  } else {
+    TORCH_CHECK(false, "head_dim must be 64 or 128");
+  }
+#else
+  TORCH_CHECK(false, "built without AVX2 + FMA");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available);
+  m.def("available_bf16", &available_bf16);
+  m.def("available_f32", &available_f32);
   m.def("prefill_attention_bf16", &prefill_attention_bf16);
+  m.def("prefill_attention_f32", &prefill_attention_f32);
 }

@@ -1,5 +1,6 @@
 """The compiled CPU W8A8 passes (quantize, dequantize + bias + residual, dequantize + SiLU-and-multiply)
-against the plain references, on random inputs whose rows have a tail past a multiple of 16."""
+against the plain references, on random inputs whose rows have a tail past a multiple of 16 (AVX-512) and
+of 8 (AVX2). Which SIMD path runs is the build's tier; FREIGHT_CPU_ISA=generic runs the portable loops."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8_linear, int8_linear, quantize_weight_per_channel
-from kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_silu_mul_cpu, quantize_per_token_cpu
+from kernels.cpu_int8_linear import (
+    int8_linear_cpu,
+    int8_linear_silu_mul_cpu,
+    quantize_per_token_cpu,
+    quantize_per_token_u8_cpu,
+)
 from kernels.int8_linear import int8_linear_silu_mul, int8_linear_torch
 from kernels.reference import int8_linear_reference, quantize_reference
 
@@ -32,6 +38,30 @@ def test_quantize_is_exactly_the_reference(dtype, M, K):
     want_q, want_scale = quantize_reference(x)
     assert torch.equal(x_q, want_q)
     assert torch.equal(x_scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "K"), [(3, 5), (7, 64), (33, 1100)])
+def test_quantize_u8_is_the_codes_plus_128(dtype, M, K):
+    x = randn(M, K, seed=K + 1, dtype=dtype) * 3
+    x_u8, x_scale = quantize_per_token_u8_cpu(x)
+    want_q, want_scale = quantize_reference(x)
+    assert x_u8.dtype == torch.uint8
+    assert torch.equal(x_u8.int() - 128, want_q.int())
+    assert torch.equal(x_scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rounds_halves_to_even(dtype):
+    # absmax 127 makes the scale 1, so x / scale is exact and every odd multiple of 0.5 is a tie
+    halves = torch.arange(-126.5, 127.0, 1.0)  # 254 ties
+    x = torch.cat([torch.tensor([127.0]), halves, halves.flip(0)])[None].to(dtype)
+    for quantize in (quantize_per_token_cpu, quantize_per_token_u8_cpu):
+        x_q, x_scale = quantize(x)
+        assert x_scale.item() == 1.0
+        assert torch.equal(
+            x_q.int() - (128 if x_q.dtype == torch.uint8 else 0), quantize_reference(x)[0].int()
+        )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -69,6 +99,68 @@ def test_silu_mul_matches_the_unfused_product(dtype, M, K, I):  # noqa: E741
     assert got.dtype == dtype and got.shape == (M, I)
     _close(got, F.silu(gate) * up)
     assert torch.equal(int8_linear_silu_mul(x, w_q.t(), w_scale), got)
+
+
+def _products(M: int, N: int, seed: int) -> torch.Tensor:
+    """Random int32 products [M, N], small enough (|acc| < 2**24) to be exact as float32."""
+    return torch.randint(
+        -(2**20), 2**20, (M, N), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N"), [(1, 5), (6, 37), (33, 264)])
+def test_dequantize_float_products_like_int32(dtype, M, N):
+    acc = _products(M, N, seed=N)
+    x_scale = torch.rand(M, generator=torch.Generator().manual_seed(1)) * 1e-3 + 1e-4
+    w_scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) * 1e-3 + 1e-4
+    bias = randn(N, seed=3, dtype=dtype)
+    residual_wide = randn(M, N + 3, seed=4, dtype=dtype)
+    residual = residual_wide[:, 1 : N + 1]  # a row view: row stride N + 3
+    want = acc.double() * x_scale.double()[:, None] * w_scale.double() + bias.double() + residual.double()
+    extension = cpu_int8_linear.load_extension()
+    outs = []
+    # float32 products as a row view (row stride 2N), as the SiLU epilogue reads oneDNN's [M, 2I] product
+    for products in (acc, torch.cat([acc.float(), acc.float()], dim=1)[:, N:]):
+        out = torch.empty(M, N, dtype=dtype)
+        extension.dequantize_rows(products, x_scale, w_scale, bias, residual, out)
+        _close(out, want)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "I"), [(1, 5), (6, 37), (33, 264)])
+def test_silu_mul_float_products_like_int32(dtype, M, I):  # noqa: E741
+    acc = _products(M, 2 * I, seed=I)
+    x_scale = torch.rand(M, generator=torch.Generator().manual_seed(5)) * 1e-5 + 1e-6
+    w_scale = torch.rand(2 * I, generator=torch.Generator().manual_seed(6)) + 1e-2  # |gate| up to ~10
+    gate, up = (acc.double() * x_scale.double()[:, None] * w_scale.double()).chunk(2, dim=1)
+    want = F.silu(gate) * up
+    extension = cpu_int8_linear.load_extension()
+    outs = []
+    for gate_acc, up_acc in (
+        (acc[:, :I].contiguous(), acc[:, I:].contiguous()),
+        (acc.float()[:, :I], acc.float()[:, I:]),
+    ):
+        out = torch.empty(M, I, dtype=dtype)
+        extension.dequantize_silu_mul(gate_acc, up_acc, x_scale, w_scale[:I], w_scale[I:], out)
+        _close(out, want)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_epilogues_reject_mismatched_arguments():
+    extension = cpu_int8_linear.load_extension()
+    acc, scale = _products(4, 16, seed=0), torch.ones(4)
+    with pytest.raises(RuntimeError, match="int32 or float32"):
+        extension.dequantize_rows(acc.double(), scale, torch.ones(16), None, None, torch.empty(4, 16))
+    with pytest.raises(RuntimeError, match="w_scale must be"):
+        extension.dequantize_rows(acc, scale, torch.ones(15), None, None, torch.empty(4, 16))
+    with pytest.raises(RuntimeError, match="share dtype and row stride"):
+        extension.dequantize_silu_mul(
+            acc, acc.float(), scale, torch.ones(16), torch.ones(16), torch.empty(4, 16)
+        )
 
 
 def test_wide_products_run_in_equal_column_chunks():

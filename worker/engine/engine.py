@@ -7,11 +7,13 @@ import time
 import torch
 
 from worker.engine.attention import KVCache
+from worker.engine.attention_plan import choose_attention
 from worker.engine.block_manager import BlockManager, blocks_for
-from worker.engine.config import EngineConfig
-from worker.engine.loader import load_checkpoint
+from worker.engine.config import DTYPES, EngineConfig
+from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import LlamaModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
+from worker.engine.path_plan import attention_cache_file, plan_for
 from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -41,19 +43,32 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        calibration = calibration_dir(config.cache_dir)
+        self.plan = plan_for(config, self.model_config, self.device, calibration)
+        scheme = self.plan.scheme
+        self.dtype = DTYPES[scheme.dtype]
+        self.kv_dtype = config.kv_torch_dtype(self.dtype)
+        if self.device.type == "cpu":
+            self.plan.attention = choose_attention(
+                self.model_config, self.dtype, self.kv_dtype,
+                attention_cache_file(calibration, self.model_config, config.max_num_seqs, self.dtype, self.kv_dtype),
+            )
         tensors = checkpoint.tensors
-        if config.quantization == "int8" and config.smoothing:
+        if scheme.quantization == "int8" and config.smoothing:
             tensors = self._smoothed(tensors)
         self.model = LlamaModel(
-            self.model_config, tensors, config.torch_dtype, config.quantization, self.device,
-            max_positions=self.max_model_len,
+            self.model_config, tensors, self.dtype, scheme.quantization, self.device,
+            max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.kv_torch_dtype, self.device)
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.kv_dtype, self.device)
+        if self.plan.attention is not None:
+            self.kv_cache.compiled_decode = self.plan.attention.compiled_decode
+            self.kv_cache.compiled_prefill = self.plan.attention.compiled_prefill
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
-        self.stats = EngineStats(num_kv_blocks=num_blocks)
+        self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -66,7 +81,7 @@ class LLMEngine:
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
         float_model = LlamaModel(
-            self.model_config, tensors, self.config.torch_dtype, None, self.device,
+            self.model_config, tensors, self.dtype, None, self.device,
             max_positions=self.max_model_len,
         )
         ids = calibration_token_ids(self.tokenizer, min(CALIBRATION_TOKENS, self.max_model_len))
@@ -77,7 +92,7 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.config.kv_torch_dtype)
+        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * self.config.gpu_memory_utilization

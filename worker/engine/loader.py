@@ -70,6 +70,12 @@ def default_cache_dir() -> Path:
     return (Path(home).expanduser() if home else Path(user_cache_dir("freight"))) / "models"
 
 
+def calibration_dir(cache_dir: Path | str | None = None) -> Path:
+    """Where measured execution plans are cached (worker/engine/path_plan.py): beside the models cache."""
+    models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return models.parent / "calibration"
+
+
 def resolve_model_path(model: str, cache_dir: Path | str | None = None) -> Path:
     """The HF folder for `model`, pulling (alias) or converting (.gguf) into the cache first if needed."""
     if model in KNOWN_MODELS:

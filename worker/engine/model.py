@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.config import ModelConfig
-from worker.engine.quantization import Linear, make_linear
+from worker.engine.quantization import Int8Backend, Linear, make_linear
 from worker.engine.rope import RotaryEmbedding
 
 
@@ -43,10 +43,14 @@ class LlamaModel:
         quantization: str | None,
         device: torch.device,
         max_positions: int,
+        int8_backend: Int8Backend | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
+            return make_linear(weight, bias, dtype, quantization, out_dtype, int8_backend)
 
         def get(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -57,7 +61,7 @@ class LlamaModel:
         self.norm = get("model.norm.weight").to(dtype)
         # tied models have no lm_head.weight, unless smoothing made one (its columns scaled, see smoothing.py)
         head = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed  # [vocab, hidden]
-        self.lm_head = make_linear(head, None, dtype, quantization, out_dtype=torch.float32)
+        self.lm_head = linear(head, None, out_dtype=torch.float32)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -67,11 +71,11 @@ class LlamaModel:
             self.layers.append(
                 DecoderLayer(
                     input_norm=get(p + "input_layernorm.weight").to(dtype),
-                    qkv=make_linear(qkv_w, qkv_b, dtype, quantization),
-                    o_proj=make_linear(get(p + "self_attn.o_proj.weight"), None, dtype, quantization),
+                    qkv=linear(qkv_w, qkv_b),
+                    o_proj=linear(get(p + "self_attn.o_proj.weight"), None),
                     post_norm=get(p + "post_attention_layernorm.weight").to(dtype),
-                    gate_up=make_linear(gate_up_w, None, dtype, quantization),
-                    down=make_linear(get(p + "mlp.down_proj.weight"), None, dtype, quantization),
+                    gate_up=linear(gate_up_w, None),
+                    down=linear(get(p + "mlp.down_proj.weight"), None),
                 )
             )
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)

@@ -41,6 +41,8 @@ class EngineStats:
     batch_size_sum: int = 0  # running sequences summed over steps (for the mean)
     busy_seconds: float = 0.0
     timeline: list[dict[str, float]] = field(default_factory=list)  # bounded samples over time
+    tier: str = ""  # CPU ISA tier (kernels/platform.py) or "cuda"
+    paths: dict[str, str] = field(default_factory=dict)  # op -> path the engine runs (path_plan.py)
 
     @property
     def mean_running_batch_size(self) -> float:
@@ -50,7 +52,7 @@ class EngineStats:
     def peak_kv_utilization(self) -> float:
         return self.peak_kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | str | dict[str, str]]:
         return {
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
@@ -63,4 +65,6 @@ class EngineStats:
             "preemptions": self.preemptions,
             "mean_running_batch_size": round(self.mean_running_batch_size, 2),
             "busy_seconds": round(self.busy_seconds, 4),
+            "tier": self.tier,
+            "paths": dict(self.paths),
         }

@@ -1,11 +1,21 @@
-"""Linear layers: float, or INT8 weights with per-token INT8 activations (W8A8)."""
+"""Linear layers: float, or INT8 weights with per-token INT8 activations (W8A8) on one of two GEMMs.
+
+INT8 backends: "int_mm" runs torch._int_mm (s8 x s8; fast with AVX-512 VNNI, and the CUDA path), "onednn"
+runs oneDNN's u8 x s8 qlinear (fast on AVX2, where torch._int_mm is 50x slower than float32); path_plan.py
+measures which one this machine runs faster.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_int8_linear
 from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weight_per_channel
+
+Int8Backend = Literal["int_mm", "onednn", "triton"]
 
 
 class FloatLinear:
@@ -52,7 +62,27 @@ class Int8Linear:
         return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
 
 
-Linear = FloatLinear | Int8Linear
+class OnednnInt8Linear:
+    """W8A8 through oneDNN's u8 x s8 GEMM (weights prepacked once; per-token scales in our epilogue)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+    ) -> None:
+        self.weight = cpu_int8_linear.prepack_onednn(weight.float())
+        self.bias = bias.to(dtype) if bias is not None else None
+        self.out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            gate, up = self(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype)
+
+
+Linear = FloatLinear | Int8Linear | OnednnInt8Linear
 
 
 def make_linear(
@@ -61,7 +91,11 @@ def make_linear(
     dtype: torch.dtype,
     quantization: str | None,
     out_dtype: torch.dtype | None = None,
+    int8_backend: Int8Backend | None = None,
 ) -> Linear:
+    """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch."""
     if quantization == "int8":
+        if int8_backend == "onednn" and weight.device.type == "cpu":
+            return OnednnInt8Linear(weight, bias, dtype, out_dtype)
         return Int8Linear(weight, bias, dtype, out_dtype)
     return FloatLinear(weight, bias, dtype, out_dtype)

@@ -1,0 +1,80 @@
+"""dtype/quantization "auto": measured choice, the cache under FREIGHT_HOME, explicit choices honoured."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine.config import EngineConfig, ModelConfig
+from worker.engine.path_plan import cache_key, candidate_schemes, measure_schemes, plan_for
+
+CPU = torch.device("cpu")
+SMALL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                    tie_word_embeddings=True)  # fmt: skip
+
+
+def config(**options) -> EngineConfig:
+    return EngineConfig(model="unused", **options)
+
+
+def write_cache(folder: Path, timings: dict[str, float]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{cache_key(SMALL, 256)}.json").write_text(json.dumps({"seconds_per_token": timings}))
+
+
+def every_scheme(seconds: float) -> dict[str, float]:
+    return {s.name: seconds for s in candidate_schemes(CPU)}
+
+
+def test_every_candidate_is_measured_on_the_model_shapes() -> None:
+    candidates = candidate_schemes(CPU)
+    assert {s.name for s in candidates} >= {"float32", "bfloat16", "float32+int8/int_mm"}
+    timings = measure_schemes(SMALL, candidates, decode_rows=8)
+    assert set(timings) == {s.name for s in candidates}
+    assert all(0 < t < 1 for t in timings.values())
+
+
+def test_auto_measures_once_then_reads_the_cache(tmp_path: Path) -> None:
+    first = plan_for(config(), SMALL, CPU, tmp_path)
+    assert first.source == "measured" and first.scheme.name == first.best
+    assert first.best == min(first.seconds_per_token, key=first.seconds_per_token.get)
+    again = plan_for(config(), SMALL, CPU, tmp_path)
+    assert again.source == "cache" and again.scheme == first.scheme
+    assert again.seconds_per_token == first.seconds_per_token
+
+
+def test_auto_picks_the_fastest_measured_scheme(tmp_path: Path) -> None:
+    timings = every_scheme(1.0) | {"bfloat16+int8/int_mm": 0.5}
+    write_cache(tmp_path, timings)
+    plan = plan_for(config(), SMALL, CPU, tmp_path)
+    assert plan.scheme.name == "bfloat16+int8/int_mm" and plan.source == "cache"
+    assert plan.paths()["projections"] == "W8A8 torch._int_mm (s8 x s8)"
+    # auto on one axis only: the other stays as asked
+    assert plan_for(config(dtype="float32"), SMALL, CPU, tmp_path).scheme.dtype == "float32"
+    assert plan_for(config(quantization=None), SMALL, CPU, tmp_path).scheme.name in ("float32", "bfloat16")
+
+
+def test_an_explicit_slow_choice_is_honoured_with_a_warning(tmp_path: Path, caplog) -> None:
+    write_cache(tmp_path, every_scheme(1.0) | {"float32": 0.25})
+    with caplog.at_level(logging.WARNING, logger="worker.engine.path_plan"):
+        plan = plan_for(config(dtype="bfloat16", quantization=None), SMALL, CPU, tmp_path)
+    assert plan.scheme.name == "bfloat16"
+    assert "4.0x slower than float32" in caplog.text
+
+
+def test_an_explicit_choice_without_a_measurement_measures_nothing(tmp_path: Path) -> None:
+    plan = plan_for(config(dtype="float32", quantization=None), SMALL, CPU, tmp_path)
+    assert plan.source == "fixed" and plan.scheme.name == "float32"
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_choices_are_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        config(dtype="int4")
+    with pytest.raises(ValueError, match="int8_backend"):
+        config(int8_backend="cublas")

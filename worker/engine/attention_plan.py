@@ -1,0 +1,102 @@
+"""Decode and prefill attention: the compiled CPU kernel or torch's path, whichever measured faster here.
+
+The compiled kernels (kernels/csrc) exist per ISA tier and normally win by 2-3x; measuring keeps a
+machine where they do not (an untuned tier, a head_dim they run slowly) on the faster path. Timed at
+load on the model's head layout with a filled INT8 or float cache (a decode batch and a prefill step),
+cached beside the scheme measurement (path_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import (
+    cpu_decode_attention,
+    cpu_prefill_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv_cache,
+)
+from worker.engine.attention import KVCache
+from worker.engine.config import ModelConfig
+
+DECODE_SEQS, DECODE_CONTEXT = 32, 256  # a decode batch's shape
+PREFILL_SEQS, PREFILL_LEN = 4, 128  # a prefill step's shape
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    compiled_decode: bool
+    compiled_prefill: bool
+    seconds: dict[str, float]  # "decode/compiled", "decode/torch", "prefill/compiled", "prefill/torch"
+
+
+def _timed(fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@torch.inference_mode()
+def measure_attention(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.head_dim
+    blocks_per_seq = DECODE_CONTEXT // BLOCK_SIZE
+    one_layer = ModelConfig(**(asdict(model) | {"num_layers": 1}))
+    cache = KVCache(one_layer, DECODE_SEQS * blocks_per_seq, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
+    key_cache, value_cache, key_scales, value_scales = cache.layer(0)
+    slots = torch.arange(DECODE_SEQS * DECODE_CONTEXT)
+    fill = torch.randn(len(slots), kv_heads, dim, generator=generator).to(dtype)
+    write_kv_cache(fill, fill, key_cache, value_cache, slots, key_scales, value_scales)
+    tables = torch.arange(DECODE_SEQS * blocks_per_seq, dtype=torch.int32).view(DECODE_SEQS, blocks_per_seq)
+    query = torch.randn(DECODE_SEQS, heads, dim, generator=generator).to(dtype)
+    lens = torch.full((DECODE_SEQS,), DECODE_CONTEXT, dtype=torch.int32)
+    scale = dim**-0.5
+    seconds = {}
+    for compiled in (True, False):
+        seconds[f"decode/{'compiled' if compiled else 'torch'}"] = _timed(lambda c=compiled: paged_decode_attention(
+            query, key_cache, value_cache, tables, lens, scale, key_scales, value_scales, compiled=c))  # fmt: skip
+    tokens = PREFILL_SEQS * PREFILL_LEN
+    q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    kv = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    starts = torch.arange(0, tokens + 1, PREFILL_LEN, dtype=torch.int32)
+    seq_lens = torch.full((PREFILL_SEQS,), PREFILL_LEN, dtype=torch.int32)
+    for compiled in (True, False):
+        seconds[f"prefill/{'compiled' if compiled else 'torch'}"] = _timed(lambda c=compiled: paged_prefill_attention(
+            q, key_cache, value_cache, tables[:PREFILL_SEQS], starts, seq_lens, scale, key_scales, value_scales,
+            key=kv, value=kv, compiled=c))  # fmt: skip
+    return seconds
+
+
+def choose_attention(
+    model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, cache_file: Path | None
+) -> AttentionChoice:
+    """Measured (or cached) on CPU when a compiled kernel exists; torch's path otherwise."""
+    query = torch.empty(1, 1, model.head_dim, dtype=dtype)
+    if not cpu_decode_attention.available() and not cpu_prefill_attention.supports(query, query):
+        return AttentionChoice(compiled_decode=False, compiled_prefill=False, seconds={})
+    seconds = None
+    if cache_file is not None and cache_file.is_file():
+        seconds = json.loads(cache_file.read_text()).get("seconds")
+    if seconds is None:
+        seconds = measure_attention(model, dtype, kv_dtype)
+        if cache_file is not None:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache_file.with_suffix(".partial")
+            partial.write_text(json.dumps({"seconds": seconds}))
+            partial.replace(cache_file)
+    return AttentionChoice(
+        compiled_decode=seconds["decode/compiled"] <= seconds["decode/torch"],
+        compiled_prefill=seconds["prefill/compiled"] <= seconds["prefill/torch"],
+        seconds=seconds,
+    )

@@ -51,9 +51,10 @@ def run_vllm(
     script = script or DEFAULT_SCRIPT
     with tempfile.TemporaryDirectory(prefix="freight-vllm-") as tmp:
         workload_path, tokens_path = Path(tmp) / "workload.parquet", Path(tmp) / "tokens.json"
+        report_path = Path(tmp) / "report.json"  # vLLM logs to stdout too: its JSON line goes to a file
         write_workload(workload, workload_path)
         command = [str(python), str(script), "--workload", str(workload_path), "--model", str(model_path),
-                   "--dtype", dtype, "--dump-tokens", str(tokens_path)]  # fmt: skip
+                   "--dtype", dtype, "--dump-tokens", str(tokens_path), "--report", str(report_path)]  # fmt: skip
         started = time.perf_counter()
         try:
             done = subprocess.run(command, env=vllm_environment(python, threads), capture_output=True, text=True,
@@ -65,6 +66,6 @@ def run_vllm(
                     "total_tokens_per_s_below": round(total / elapsed, 2)}, None  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"vllm_baseline.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        report = json.loads(done.stdout.strip().splitlines()[-1])
+        report = json.loads(report_path.read_text())
         tokens = json.loads(tokens_path.read_text())["output_token_ids"]
     return {"system": "vllm", **report}, tokens

@@ -9,7 +9,6 @@ cached beside the scheme measurement (path_plan.py).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kernels import (
 )
 from worker.engine.attention import KVCache
 from worker.engine.config import ModelConfig
+from worker.engine.timing import best_seconds, write_json_atomically
 
 DECODE_SEQS, DECODE_CONTEXT = 32, 256  # a decode batch's shape
 PREFILL_SEQS, PREFILL_LEN = 4, 128  # a prefill step's shape
@@ -35,16 +35,6 @@ class AttentionChoice:
     compiled_decode: bool
     compiled_prefill: bool
     seconds: dict[str, float]  # "decode/compiled", "decode/torch", "prefill/compiled", "prefill/torch"
-
-
-def _timed(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 @torch.inference_mode()
@@ -64,7 +54,7 @@ def measure_attention(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dt
     scale = dim**-0.5
     seconds = {}
     for compiled in (True, False):
-        seconds[f"decode/{'compiled' if compiled else 'torch'}"] = _timed(lambda c=compiled: paged_decode_attention(
+        seconds[f"decode/{'compiled' if compiled else 'torch'}"] = best_seconds(lambda c=compiled: paged_decode_attention(
             query, key_cache, value_cache, tables, lens, scale, key_scales, value_scales, compiled=c))  # fmt: skip
     tokens = PREFILL_SEQS * PREFILL_LEN
     q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
@@ -72,7 +62,7 @@ def measure_attention(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dt
     starts = torch.arange(0, tokens + 1, PREFILL_LEN, dtype=torch.int32)
     seq_lens = torch.full((PREFILL_SEQS,), PREFILL_LEN, dtype=torch.int32)
     for compiled in (True, False):
-        seconds[f"prefill/{'compiled' if compiled else 'torch'}"] = _timed(lambda c=compiled: paged_prefill_attention(
+        seconds[f"prefill/{'compiled' if compiled else 'torch'}"] = best_seconds(lambda c=compiled: paged_prefill_attention(
             q, key_cache, value_cache, tables[:PREFILL_SEQS], starts, seq_lens, scale, key_scales, value_scales,
             key=kv, value=kv, compiled=c))  # fmt: skip
     return seconds
@@ -91,10 +81,7 @@ def choose_attention(
     if seconds is None:
         seconds = measure_attention(model, dtype, kv_dtype)
         if cache_file is not None:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache_file.with_suffix(".partial")
-            partial.write_text(json.dumps({"seconds": seconds}))
-            partial.replace(cache_file)
+            write_json_atomically(cache_file, {"seconds": seconds})
     return AttentionChoice(
         compiled_decode=seconds["decode/compiled"] <= seconds["decode/torch"],
         compiled_prefill=seconds["prefill/compiled"] <= seconds["prefill/torch"],

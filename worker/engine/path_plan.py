@@ -21,7 +21,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from worker.engine.attention_plan import AttentionChoice
 from worker.engine.config import DTYPES, EngineConfig, ModelConfig
 from worker.engine.model import LlamaModel
 from worker.engine.quantization import Int8Backend
+from worker.engine.timing import best_seconds, write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ PREFILL_TOKENS = 256  # rows of the prefill-sized products
 DECODE_TOKENS = 64  # rows of the decode-sized products (capped by max_num_seqs)
 SCREEN_RATIO = 4.0  # a scheme this much slower than the fastest on the screen is not measured further
 SLOW_RATIO = 1.2  # an explicit choice this much slower than auto's gets a warning
-MAX_REPEATS = 3
-REPEAT_SECONDS = 0.15  # stop repeating a timing once this much time went into it
 
 
 @dataclass(frozen=True)
@@ -241,20 +239,14 @@ def _measure_and_store(
                               kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
     log.info("calibrated %d schemes in %.1fs: %s", len(candidates), time.perf_counter() - started, timings)
     if path is not None:
-        _write_atomically(path, {"seconds_per_token": timings, "cpu": cpu_info().model_name, "tier": active_tier(),
+        write_json_atomically(path, {"seconds_per_token": timings, "cpu": cpu_info().model_name, "tier": active_tier(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads()})  # fmt: skip
     return timings
 
 
-def _write_atomically(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(payload, indent=1))
-    partial.replace(path)
-
-
 HEAD_VOCAB = 8192  # the timed model's vocabulary; LM head time is scaled to the real one (linear in N)
 CONTEXT = 128  # tokens per sequence of the timed steps
+BLOCK = 16  # KV block size of the timed cache
 
 
 class _OneLayer:
@@ -308,8 +300,6 @@ class _OneLayer:
         return lambda: self.model.forward(ids, positions, meta, self.cache)
 
 
-BLOCK = 16
-
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
@@ -326,24 +316,6 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                    (("q", shapes[p + "self_attn.q_proj.weight"]), ("k", shapes[p + "self_attn.k_proj.weight"]),
                     ("v", shapes[p + "self_attn.v_proj.weight"]))}
     return shapes  # fmt: skip
-
-
-def _best_seconds(fn: Callable[[], object], limit: float = REPEAT_SECONDS) -> float:
-    """Fastest of up to MAX_REPEATS runs after one warm-up; a slow first run ends the repeats early."""
-    started = time.perf_counter()
-    fn()
-    first = time.perf_counter() - started
-    best = float("inf")
-    spent = 0.0
-    for _ in range(MAX_REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - t0
-        best = min(best, elapsed)
-        spent += elapsed
-        if spent + first > limit:
-            break
-    return best
 
 
 @torch.inference_mode()
@@ -363,13 +335,13 @@ def measure_schemes(
     for scheme in candidates:
         layer = _OneLayer(model, scheme, kv_config.kv_torch_dtype(DTYPES[scheme.dtype]), decode_rows, gen)
         decode_step = layer.decode(decode_rows)
-        screen = _best_seconds(decode_step, limit=0.0)
+        screen = best_seconds(decode_step, limit=0.0)
         fastest_screen = min(fastest_screen, screen)
         if screen > SCREEN_RATIO * fastest_screen:
             timings[scheme.name] = model.num_layers * screen / decode_rows
             continue
-        decode = model.num_layers * _best_seconds(decode_step)
-        decode += layer.head_scale * _best_seconds(layer.head(decode_rows))
-        prefill = model.num_layers * _best_seconds(layer.prefill()) / PREFILL_TOKENS
+        decode = model.num_layers * best_seconds(decode_step)
+        decode += layer.head_scale * best_seconds(layer.head(decode_rows))
+        prefill = model.num_layers * best_seconds(layer.prefill()) / PREFILL_TOKENS
         timings[scheme.name] = (prefill + decode / decode_rows) / 2
     return timings

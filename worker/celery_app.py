@@ -9,10 +9,10 @@ import socket
 
 from celery import Celery, signals
 
-from jobs.broker import celery_config, queue_for_model
+from jobs.domain.broker import celery_config, queue_for_model
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
-from storage.settings import Settings
 from worker.llm_pool import LLMPool
 from worker.prometheus import WorkerMetrics
 from worker.shard_runner import WorkerContext

@@ -1,4 +1,4 @@
-"""Engine-side CLI commands, imported lazily by jobs/cli.py (which must not import torch itself)."""
+"""Engine-side CLI commands, imported lazily by jobs/cli/admin.py (which must not import torch itself)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import logging
 
 from sqlalchemy.exc import DBAPIError
 
-from jobs.metrics import compute_metrics
-from jobs.results import write_final_results
-from jobs.summary_results import add_summary_columns
+from jobs.domain.metrics import compute_metrics
+from jobs.domain.results import write_final_results
+from jobs.domain.summary_results import add_summary_columns
 from storage import job_store
 from storage.blobs import metrics_name, results_name
 from storage.models import utcnow

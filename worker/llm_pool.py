@@ -8,8 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from jobs.schemas import ResolvedParams
-from storage.settings import Settings
+from jobs.domain.schemas import ResolvedParams
+from jobs.domain.settings import Settings
 from worker.engine import LLM
 
 log = logging.getLogger(__name__)

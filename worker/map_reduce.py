@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from jobs.summarize import WINDOW_OVERLAP_TOKENS, SummarizeSpec
+from jobs.domain.summarize_spec import WINDOW_OVERLAP_TOKENS, SummarizeSpec
 from storage.summary_store import PartKey, StoredPart
 
 PLACEHOLDER_MARK = "\ue000"  # a private-use character: never in the chat template itself

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.domain.settings import Settings
 from storage import job_store
 from storage.result_store import insert_results
-from storage.settings import Settings
 from storage.shard_store import renew_lease
 from storage.status import JobStatus
 

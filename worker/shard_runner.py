@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.prompts import PromptSource, resolve_source
-from jobs.schemas import OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.prompts import PromptSource, resolve_source
+from jobs.domain.schemas import OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore
 from storage.result_store import insert_results, stored_row_indices
-from storage.settings import Settings
 from storage.shard_store import Claim, claim_shard, finish_shard, get_shard, release_shard, unfinished_shards
 from storage.status import AttemptOutcome, FinishReason, JobStatus, ShardStatus
 from worker.attempt_meter import AttemptMeter

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.schemas import ResolvedParams
+from jobs.domain.schemas import ResolvedParams
 from storage.status import FinishReason
 from storage.summary_store import insert_parts, parts_of
 from worker.attempt_meter import AttemptMeter

@@ -9,7 +9,7 @@ import logging
 from celery import Celery, Task
 from celery.exceptions import Reject
 
-from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD
+from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD
 from storage.shard_store import Claim
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.prompts import Messages
+from jobs.domain.prompts import Messages
 
 # Re-tokenizing at the cut can merge or split a token or two; cut a little deeper than needed.
 RETOKENIZE_MARGIN = 4

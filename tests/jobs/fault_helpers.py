@@ -14,7 +14,7 @@ import pyarrow as pa
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.client import FreightClient
+from jobs.cli.client import FreightClient
 from storage.attempt_store import attempts_of
 from storage.db import make_engine, make_session_factory
 from storage.models import ResultRow, Shard, ShardAttempt

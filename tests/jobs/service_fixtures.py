@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobs.client import FreightClient
-from storage.settings import Settings
+from jobs.cli.client import FreightClient
+from jobs.domain.settings import Settings
 
 PG_ADMIN_URL = os.environ.get("FREIGHT_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE_URL = os.environ.get("FREIGHT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -201,7 +201,7 @@ def start_worker(service: ServiceEnv, log_dir: Path, name: str, *extra: str) -> 
     """A `freight worker` process, returned once Celery answers its ping (the model is loaded)."""
     from celery import Celery
 
-    from jobs.broker import celery_config
+    from jobs.domain.broker import celery_config
 
     hostname = f"{name}-{secrets.token_hex(3)}@test"
     metrics_port = free_port()  # each worker serves its Prometheus metrics on its own port

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from jobs.broker import queue_for_model
-from jobs.client import FreightAPIError, FreightClient
+from jobs.cli.client import FreightAPIError, FreightClient
+from jobs.domain.broker import queue_for_model
 from tests.jobs.service_fixtures import PARKED_MODEL, ServiceEnv
 
 

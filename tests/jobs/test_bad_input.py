@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.client import FreightClient
+from jobs.cli.client import FreightClient
 from tests.jobs.service_fixtures import PARKED_MODEL, Process, ServiceEnv, create_api_key
 
 TENANT = "bad-input"

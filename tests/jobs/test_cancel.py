@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 from celery import Celery
 
-from jobs.broker import celery_config
-from jobs.client import FreightAPIError, FreightClient
+from jobs.cli.client import FreightAPIError, FreightClient
+from jobs.domain.broker import celery_config
 from tests.jobs.fault_helpers import ServiceDB, wait_for
 from tests.jobs.service_fixtures import Process, ServiceEnv
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.cli import build_parser
+from jobs.cli.main import build_parser
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.client import FreightClient
-from jobs.sample_docs import SUMMARIZE_TEMPLATE, sample_docs_table
-from jobs.schemas import JobMetrics
+from jobs.cli.client import FreightClient
+from jobs.domain.sample_docs import SUMMARIZE_TEMPLATE, sample_docs_table
+from jobs.domain.schemas import JobMetrics
 from storage.blobs import metrics_name
 from tests.jobs.service_fixtures import FREIGHT_BIN, Process, ServiceEnv, start_worker
 
@@ -85,7 +85,7 @@ def test_job_through_the_service(
     assert stored == metrics
 
     # A finished job cannot be cancelled.
-    from jobs.client import FreightAPIError
+    from jobs.cli.client import FreightAPIError
 
     with pytest.raises(FreightAPIError) as caught:
         client.cancel(job["id"])

@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from sqlalchemy import update
 
-from jobs.broker import CeleryDispatcher
-from jobs.client import FreightClient
+from jobs.cli.client import FreightClient
+from jobs.domain.broker import CeleryDispatcher
 from storage import job_store
 from storage.models import Job
 from tests.jobs.fault_helpers import (

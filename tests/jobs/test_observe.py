@@ -16,10 +16,10 @@ import pyarrow as pa
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.broker import TASK_RUN_SHARD
-from jobs.cli import main as freight_main
-from jobs.client import FreightClient
-from jobs.progress import JobProgress
+from jobs.cli.client import FreightClient
+from jobs.cli.main import main as freight_main
+from jobs.cli.progress import JobProgress
+from jobs.domain.broker import TASK_RUN_SHARD
 from tests.jobs.browser import dump_dom, png_colors, screenshot
 from tests.jobs.service_fixtures import Process, ServiceEnv, free_port, wait_until
 from tests.jobs.test_summarize import check_report_in_chromium

@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from jobs.api import create_app
+from jobs.api.app import create_app
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore, results_name
 from storage.db import make_engine, make_session_factory
 from storage.keys import create_key
 from storage.models import Job
-from storage.settings import Settings
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.shard_runner import WorkerContext, run_shard

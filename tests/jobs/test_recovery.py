@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
-from jobs.recovery import Recovery, message_work
+from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.domain.recovery import Recovery, message_work
+from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore, input_name
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, utcnow
-from storage.settings import Settings
 from storage.shard_store import claim_shard, finish_shard
 from storage.status import JobStatus, ShardStatus
 

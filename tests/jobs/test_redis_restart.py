@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from jobs.client import FreightAPIError, FreightClient
+from jobs.cli.client import FreightAPIError, FreightClient
 from tests.jobs.fault_helpers import ServiceDB, assert_one_result_per_row, staggered_table, wait_for
 from tests.jobs.service_fixtures import (
     ServiceEnv,

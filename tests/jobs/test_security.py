@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import select
 
 import storage.keys
-from jobs.client import FreightClient
+from jobs.cli.client import FreightClient
 from storage.db import make_engine, make_session_factory
 from storage.keys import tenant_for_key
 from storage.models import ApiKey

@@ -14,14 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from jobs.embedded import run_embedded
-from jobs.errors import InputError
-from jobs.sample_docs import LONG_DOCUMENTS, sample_docs_table
-from jobs.schemas import JobParams
-from jobs.service import JobService
-from storage.settings import Settings
+from jobs.domain.errors import InputError
+from jobs.domain.sample_docs import LONG_DOCUMENTS, sample_docs_table
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import JobService
+from jobs.domain.settings import Settings
 from tests.jobs.browser import dump_dom, png_colors, screenshot
 from tests.jobs.service_fixtures import FREIGHT_BIN
+from worker.embedded import run_embedded
 
 SMALL_ENGINE = {
     "FREIGHT_MAX_MODEL_LEN": "512",

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pytest
 from sqlalchemy import func, select
 
-from jobs.client import FreightAPIError, FreightClient
-from jobs.sample_docs import sample_docs_table
+from jobs.cli.client import FreightAPIError, FreightClient
+from jobs.domain.sample_docs import sample_docs_table
 from storage.db import make_engine, make_session_factory
 from storage.models import SummaryPart
 from tests.jobs.service_fixtures import Process, ServiceEnv

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.errors import InputError
-from jobs.prompts import PromptSource
-from jobs.schemas import ResolvedParams
-from jobs.sharding import cut_shards
-from jobs.validation import validate_parquet
+from jobs.domain.errors import InputError
+from jobs.domain.prompts import PromptSource
+from jobs.domain.schemas import ResolvedParams
+from jobs.domain.sharding import cut_shards
+from jobs.domain.validation import validate_parquet
 
 MAX_LEN = 512
 

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 from celery import Celery
 
-from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, celery_config, queue_for_model
-from jobs.client import FreightClient
+from jobs.cli.client import FreightClient
+from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, celery_config, queue_for_model
 from storage import job_store
 from storage.db import make_engine, make_session_factory
 from storage.shard_store import shards_of

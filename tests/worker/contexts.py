@@ -7,9 +7,9 @@ from contextlib import contextmanager
 
 import pytest
 
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
-from storage.settings import Settings
 from worker.shard_runner import WorkerContext
 
 

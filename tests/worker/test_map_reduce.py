@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.summarize import SummarizeSpec
+from jobs.domain.summarize_spec import SummarizeSpec
 from storage.summary_store import StoredPart
 from worker.map_reduce import (
     LongDocument,

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.schemas import JobParams
-from jobs.service import JobService
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import JobService
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore, results_name
 from storage.db import make_engine, make_session_factory
-from storage.settings import Settings
 from storage.shard_store import get_shard
 from tests.jobs.fault_helpers import wait_for
 from tests.jobs.service_fixtures import PG_ADMIN_URL, pg_url  # noqa: F401 - fixture

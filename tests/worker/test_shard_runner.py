@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
-from jobs.schemas import JobParams
-from jobs.service import JobService
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import JobService
 from storage import job_store
 from storage.attempt_store import attempts_of
 from storage.blobs import results_name

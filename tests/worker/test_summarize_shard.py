@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select
 
-from jobs.sample_docs import sample_docs_table
-from jobs.schemas import JobParams
-from jobs.service import JobService
+from jobs.domain.sample_docs import sample_docs_table
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import JobService
 from storage.blobs import results_name
 from storage.models import SummaryPart
 from storage.result_store import insert_results

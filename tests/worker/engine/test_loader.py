@@ -155,7 +155,7 @@ def test_unresolvable_models_raise(tmp_path: Path) -> None:
 
 
 def test_default_cache_dir_follows_freight_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from storage.settings import default_home
+    from jobs.domain.settings import default_home
 
     monkeypatch.setenv("FREIGHT_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "models"

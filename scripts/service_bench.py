@@ -1,7 +1,7 @@
 """What the service costs in throughput: the same rows through API + Celery + Postgres and through the
 engine alone, plus result rows written to Postgres per second.
 
-    python -m worker.service_bench --rows 2000 --max-tokens 16 \\
+    .venv/bin/python scripts/service_bench.py --rows 2000 --max-tokens 16 \\
         --database-url postgresql+psycopg://postgres@127.0.0.1:5432/freight_bench --broker-url redis://127.0.0.1:6379/9
 
 The database must be migrated (`freight db upgrade`); `freight api` and `freight worker` are started
@@ -24,13 +24,15 @@ from pathlib import Path
 import httpx
 import pyarrow as pa
 
-from jobs.client import FreightClient
-from jobs.sample_docs import DOCUMENTS, SUMMARIZE_TEMPLATE
-from storage import job_store
-from storage.db import make_engine, make_session_factory
-from storage.keys import create_key
-from storage.result_store import insert_results
-from storage.settings import Settings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from jobs.cli.client import FreightClient  # noqa: E402
+from jobs.domain.sample_docs import DOCUMENTS, SUMMARIZE_TEMPLATE  # noqa: E402
+from jobs.domain.settings import Settings  # noqa: E402
+from storage import job_store  # noqa: E402
+from storage.db import make_engine, make_session_factory  # noqa: E402
+from storage.keys import create_key  # noqa: E402
+from storage.result_store import insert_results  # noqa: E402
 
 
 def bench_rows(count: int) -> pa.Table:
@@ -127,7 +129,7 @@ def through_service(
 def _wait_for_worker(settings: Settings, timeout_s: float = 600) -> None:
     from celery import Celery
 
-    from jobs.broker import celery_config
+    from jobs.domain.broker import celery_config
 
     control = Celery("freight-bench", set_as_current=False)
     control.conf.update(celery_config(settings))

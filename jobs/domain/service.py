@@ -9,21 +9,22 @@ from typing import BinaryIO, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.errors import Conflict, InputError, NotFound
-from jobs.metrics import compute_metrics
-from jobs.results import write_partial_results
-from jobs.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
-from jobs.sharding import cut_shards
-from jobs.summarize import check_summarize_file, task_fields
-from jobs.validation import validate_parquet
+from jobs.domain.errors import Conflict, InputError, NotFound
+from jobs.domain.metrics import compute_metrics
+from jobs.domain.results import write_partial_results
+from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
+from jobs.domain.settings import Settings
+from jobs.domain.sharding import cut_shards
+from jobs.domain.summarize import check_summarize_file, task_fields
+from jobs.domain.validation import validate_parquet
 from storage import job_store
 from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name
 from storage.models import Job
-from storage.settings import Settings
 from storage.shard_store import shard_indices
 from storage.status import FINAL_JOB_STATUSES, JobStatus
 
 log = logging.getLogger(__name__)
+LOCAL_TENANT = "local"  # the one tenant of the embedded database (`freight run`, `freight summarize`)
 
 
 class Dispatcher(Protocol):

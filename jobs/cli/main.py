@@ -7,8 +7,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jobs import cli_admin, cli_local, cli_remote, cli_summarize
-from jobs.errors import InputError
+from jobs.cli import admin, local, remote, summarize
+from jobs.domain.errors import InputError
 
 
 def add_job_param_args(parser: argparse.ArgumentParser) -> None:
@@ -32,12 +32,12 @@ def add_job_param_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default: auto")
     group.add_argument("--quantization", choices=["auto", "int8", "none"], help="default: auto")
     group.add_argument("--kv-cache-dtype", choices=["int8", "auto", "bfloat16", "float16", "float32"])
-    summarize = parser.add_argument_group("summarize task (--task summarize; see `freight summarize`)")
-    summarize.add_argument("--task", choices=["generate", "summarize"])
-    summarize.add_argument("--column", help="the document column (default: text)")
-    summarize.add_argument("--style", help='how the summary reads (default: "one paragraph")')
-    summarize.add_argument("--long-documents", choices=["map_reduce", "truncate"])
-    summarize.add_argument("--id-column", help="input column kept in the output")
+    summarize_group = parser.add_argument_group("summarize task (--task summarize; see `freight summarize`)")
+    summarize_group.add_argument("--task", choices=["generate", "summarize"])
+    summarize_group.add_argument("--column", help="the document column (default: text)")
+    summarize_group.add_argument("--style", help='how the summary reads (default: "one paragraph")')
+    summarize_group.add_argument("--long-documents", choices=["map_reduce", "truncate"])
+    summarize_group.add_argument("--id-column", help="input column kept in the output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,23 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-json", help="also write the job's metrics here")
     run.add_argument("--no-progress", action="store_true")
     add_job_param_args(run)
-    run.set_defaults(handler=cli_local.cmd_run)
+    run.set_defaults(handler=local.cmd_run)
 
     sample = commands.add_parser("sample-docs", help="write the sample documents for a summarization demo")
     sample.add_argument("-o", "--output", required=True)
     sample.add_argument("--rows", type=int, help="number of rows (documents repeat past the shipped set)")
-    sample.set_defaults(handler=cli_local.cmd_sample_docs)
+    sample.set_defaults(handler=local.cmd_sample_docs)
 
-    cli_summarize.add_commands(commands)
-    cli_remote.add_commands(commands, add_job_param_args)
-    cli_admin.add_commands(commands)
+    summarize.add_commands(commands)
+    remote.add_commands(commands, add_job_param_args)
+    admin.add_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        return cli_admin.run_bench(argv[1:])  # every remaining argument belongs to the benchmark
+        return admin.run_bench(argv[1:])  # every remaining argument belongs to the benchmark
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"freight: {exc.message}", file=sys.stderr)
         return 2
-    except cli_remote.CLIError as exc:
+    except remote.CLIError as exc:
         print(f"freight: {exc}", file=sys.stderr)
         return 1
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jobs.summarize import LongDocuments, SummarizeSpec
+from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
 from storage.status import JobStatus
 
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")

@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from jobs.cli_params import params_dict_from_args
-from jobs.client import FreightAPIError, FreightClient
-from jobs.progress import RUNNING, JobProgress
+from jobs.cli.client import FreightAPIError, FreightClient
+from jobs.cli.params import params_dict_from_args
+from jobs.cli.progress import RUNNING, JobProgress
 
 
 class CLIError(Exception):
@@ -132,8 +132,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     if args.local:
-        from jobs.embedded import local_report_html
-        from jobs.errors import NotFound
+        from jobs.cli.local import local_report_html
+        from jobs.domain.errors import NotFound
 
         try:
             html = local_report_html(args.job_id)

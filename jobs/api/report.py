@@ -15,14 +15,14 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs.svg_plots import bar_chart_svg, histogram_svg, line_chart_svg
+from jobs.api.svg_plots import bar_chart_svg, histogram_svg, line_chart_svg
 from storage import job_store
 from storage.models import Job, ResultRow, as_utc
 from storage.shard_store import shards_of
 from storage.status import FinishReason
 
 if TYPE_CHECKING:
-    from jobs.service import JobService
+    from jobs.domain.service import JobService
 
 MAX_PLOT_POINTS = 600  # over all shards, per plot
 LENGTHS_BATCH_ROWS = 50_000  # result rows fetched at a time for the histograms

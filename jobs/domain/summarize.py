@@ -1,59 +1,20 @@
-"""The `summarize` task: what a user asks for (document column, style or template, how to treat long
-documents) and the instructions each request gets. Pure Python, shared by the API and the worker;
-the worker (worker/map_reduce.py) turns documents into token windows and reduce requests."""
+"""The `summarize` task's planning: check what a user asks for (document column, style or template, how
+to treat long documents) and resolve it into a SummarizeSpec (jobs/domain/summarize_spec.py), and check
+the input file against it. The worker (worker/map_reduce.py) turns documents into token windows and
+reduce requests."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel
+from jobs.domain.errors import InputError
+from jobs.domain.prompts import template_fields
+from jobs.domain.schemas import JobParams
+from jobs.domain.summarize_spec import DEFAULT_COLUMN, DEFAULT_STYLE, TEXT_PLACEHOLDER, SummarizeSpec
+from jobs.domain.validation import open_parquet
 
-from jobs.errors import InputError
-from jobs.prompts import template_fields
-
-if TYPE_CHECKING:
-    from jobs.schemas import JobParams
-
-LongDocuments = Literal["map_reduce", "truncate"]
-DEFAULT_COLUMN = "text"
-DEFAULT_STYLE = "one paragraph"
-ID_COLUMN_CANDIDATES = ("custom_id", "id", "doc_id", "document_id")
-WINDOW_OVERLAP_TOKENS = 64  # consecutive windows share this many tokens so no sentence is lost at a cut
-TEXT_PLACEHOLDER = "{text}"
 SUMMARIZE_ONLY_FIELDS = ("column", "style", "long_documents", "id_column")
-
-
-class SummarizeSpec(BaseModel):
-    """A summarize job's resolved settings (stored with the job's params)."""
-
-    column: str
-    style: str
-    template: str | None  # the user's instruction with a {text} placeholder, if given
-    long_documents: LongDocuments
-    id_column: str | None  # input column copied to the output as the document's id
-
-    def document_instruction(self) -> str:
-        if self.template is not None:
-            return self.template
-        return f"Summarize the following document. Write the summary as {self.style}.\n\n{TEXT_PLACEHOLDER}"
-
-    def window_instruction(self, part: int, parts: int) -> str:
-        """Instruction for window `part` (1-based) of `parts`; partial summaries stay plain prose."""
-        if self.template is not None:
-            return self.template
-        return (
-            f"The following text is part {part} of {parts} of a longer document. "
-            f"Summarize this part in a few sentences.\n\n{TEXT_PLACEHOLDER}"
-        )
-
-    def reduce_instruction(self) -> str:
-        if self.template is not None:
-            return self.template
-        return (
-            "The following are summaries of consecutive parts of one document, in order. Combine them "
-            f"into one summary of the whole document. Write the summary as {self.style}.\n\n{TEXT_PLACEHOLDER}"
-        )
 
 
 def resolve_summarize(params: JobParams, max_model_len: int) -> SummarizeSpec:
@@ -110,8 +71,6 @@ def task_fields(params: JobParams, max_model_len: int) -> dict[str, Any]:
 
 def check_summarize_file(path: Path, spec: SummarizeSpec) -> None:
     """The document column and a named id column must exist (their types are checked with the prompts)."""
-    from jobs.validation import open_parquet  # jobs.validation imports jobs.schemas, which imports this
-
     names = open_parquet(path).schema_arrow.names
     if spec.column not in names:
         raise InputError(
@@ -123,10 +82,3 @@ def check_summarize_file(path: Path, spec: SummarizeSpec) -> None:
         raise InputError(
             f"id_column {spec.id_column!r} is not in the file (columns: {names})", column=spec.id_column
         )
-
-
-def output_id_column(names: list[str], spec: SummarizeSpec) -> str | None:
-    """The input column kept in the output as the document's id: the one named, else the first usual one."""
-    if spec.id_column is not None:
-        return spec.id_column
-    return next((name for name in ID_COLUMN_CANDIDATES if name in names), None)

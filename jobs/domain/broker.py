@@ -8,7 +8,7 @@ import re
 from pathlib import PurePath
 from typing import Any
 
-from storage.settings import Settings
+from jobs.domain.settings import Settings
 
 TASK_RUN_SHARD = "freight.run_shard"
 TASK_FINALIZE_JOB = "freight.finalize_job"

@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     # shard over only after it lapses. A task redelivered while the lease is held looks again later.
     shard_lease_seconds: float = 120.0
     broker_visibility_timeout: int = 3600  # seconds before Redis redelivers an unacked shard task
-    # The API re-sends tasks the broker lost (see jobs/recovery.py) after two sweeps this far apart.
+    # The API re-sends tasks the broker lost (see jobs/domain/recovery.py) after two sweeps this far apart.
     recovery_interval_seconds: float = Field(30.0, gt=0)
     shard_max_attempts: int = 3  # after this many failed runs a shard's rows become error rows
     cancel_poll_seconds: float = 1.0  # how often a running shard checks for cancellation

@@ -10,14 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.schemas import JobParams
-from jobs.service import JobService
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import LOCAL_TENANT, JobService
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore, results_name
 from storage.db import make_engine, make_session_factory, upgrade
-from storage.settings import Settings
 from storage.status import JobStatus
-
-LOCAL_TENANT = "local"
 
 
 @dataclass
@@ -116,19 +114,3 @@ class _ProgressTracker:
                     elapsed_s=time.monotonic() - self.started,
                 )
             )
-
-
-def local_report_html(job_id: str, settings: Settings | None = None) -> str:
-    """The report of a job run here (`freight run` / `freight summarize`), from the embedded database."""
-    from jobs.report import job_report_html
-
-    settings = settings or Settings()
-    engine = make_engine(settings.embedded_database_url)
-    try:
-        blobs = BlobStore(settings.resolved_data_dir)
-        service = JobService(
-            settings, make_session_factory(engine), blobs, dispatcher=None, allow_any_model=True
-        )
-        return job_report_html(service, LOCAL_TENANT, job_id)
-    finally:
-        engine.dispose()

@@ -20,11 +20,11 @@ from datetime import timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore
 from storage.models import Job, Shard, utcnow
-from storage.settings import Settings
 from storage.shard_store import unfinished_shards
 from storage.status import JobStatus, ShardStatus
 

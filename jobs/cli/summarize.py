@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.errors import InputError
-from jobs.schemas import JobParams
+from jobs.domain.errors import InputError
+from jobs.domain.schemas import JobParams
 
 SUMMARIZE_FLAGS = (
     "model",
@@ -69,6 +69,6 @@ def summarize_params(args: argparse.Namespace) -> JobParams:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from jobs.cli_local import run_locally
+    from jobs.cli.local import run_locally
 
     return run_locally(args, summarize_params(args))

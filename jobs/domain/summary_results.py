@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
-from jobs.summarize import SummarizeSpec, output_id_column
+from jobs.domain.summarize_spec import SummarizeSpec, output_id_column
 from storage.models import Job
 from storage.status import FinishReason
 from storage.summary_store import window_counts

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from jobs.errors import InputError
+from jobs.domain.errors import InputError
 
 PromptKind = Literal["prompt", "messages", "template"]
 Messages = list[dict[str, str]]

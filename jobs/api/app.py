@@ -19,18 +19,18 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
 
-from jobs.broker import CeleryDispatcher
-from jobs.errors import Conflict, InputError, NotFound
-from jobs.prometheus import install_metrics
-from jobs.recovery import start_recovery
-from jobs.report import job_report_html
-from jobs.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams
-from jobs.service import BrokerUnavailable, JobService
-from jobs.upload_limit import UploadLimit
+from jobs.api.prometheus import install_metrics
+from jobs.api.report import job_report_html
+from jobs.api.upload_limit import UploadLimit
+from jobs.domain.broker import CeleryDispatcher
+from jobs.domain.errors import Conflict, InputError, NotFound
+from jobs.domain.recovery import start_recovery
+from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams
+from jobs.domain.service import BrokerUnavailable, JobService
+from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
 from storage.keys import tenant_for_key
-from storage.settings import Settings
 from storage.status import JobStatus
 
 bearer = HTTPBearer(auto_error=False, description="an API key from `freight keys create --tenant NAME`")

@@ -1,4 +1,4 @@
-"""`freight run` (embedded) and `freight sample-docs`."""
+"""`freight run` (embedded), `freight sample-docs` and `freight report --local`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.cli_params import params_from_args
-from jobs.sample_docs import SUMMARIZE_TEMPLATE, write_sample_docs
-from jobs.schemas import JobParams
-from storage.settings import Settings
+from jobs.cli.params import params_from_args
+from jobs.domain.sample_docs import SUMMARIZE_TEMPLATE, write_sample_docs
+from jobs.domain.schemas import JobParams
+from jobs.domain.settings import Settings
 
 
 def cmd_sample_docs(args: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def run_locally(args: argparse.Namespace, params: JobParams) -> int:
     holds input, output, metrics_json and no_progress."""
     from tqdm import tqdm
 
-    from jobs.embedded import RunProgress, run_embedded
+    from worker.embedded import RunProgress, run_embedded
 
     source = Path(args.input)
     if not source.is_file():
@@ -90,3 +90,23 @@ def cost_summary(job_id: str, status: str, m: dict[str, Any]) -> str:
             f"{m['computed_tokens']:,} computed tokens",
         ]
     )
+
+
+def local_report_html(job_id: str, settings: Settings | None = None) -> str:
+    """The report of a job run here (`freight run` / `freight summarize`), from the embedded database
+    (`freight report --local`)."""
+    from jobs.api.report import job_report_html
+    from jobs.domain.service import LOCAL_TENANT, JobService
+    from storage.blobs import BlobStore
+    from storage.db import make_engine, make_session_factory
+
+    settings = settings or Settings()
+    engine = make_engine(settings.embedded_database_url)
+    try:
+        blobs = BlobStore(settings.resolved_data_dir)
+        service = JobService(
+            settings, make_session_factory(engine), blobs, dispatcher=None, allow_any_model=True
+        )
+        return job_report_html(service, LOCAL_TENANT, job_id)
+    finally:
+        engine.dispose()

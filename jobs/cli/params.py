@@ -7,8 +7,8 @@ import json
 
 from pydantic import ValidationError
 
-from jobs.errors import InputError
-from jobs.schemas import JobParams
+from jobs.domain.errors import InputError
+from jobs.domain.schemas import JobParams
 
 FLAG_FIELDS = (
     "model",

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.errors import InputError
-from jobs.prompts import PromptSource, is_string_type, resolve_source
-from jobs.schemas import OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.errors import InputError
+from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
+from jobs.domain.schemas import OVERRIDE_COLUMNS, ResolvedParams
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5

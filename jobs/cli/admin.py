@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from storage.settings import Settings
+from jobs.domain.settings import Settings
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -166,7 +166,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = Settings()
     uvicorn.run(
-        "jobs.api:create_app",
+        "jobs.api.app:create_app",
         factory=True,
         host=args.host or settings.api_host,
         port=args.port or settings.api_port,

@@ -1,5 +1,5 @@
 """Sample documents for the summarization demo and tests (`freight sample-docs`): twenty short texts,
-then four long ones from jobs/sample_texts/ (two of them longer than the default model's context of
+then four long ones from jobs/domain/sample_texts/ (two of them longer than the default model's context of
 2048 tokens, so summarizing them goes through map-reduce). The texts were written for this project
 and are distributed under its license, except the Gettysburg Address (Abraham Lincoln, 1863), which is
 in the public domain. Nothing is downloaded."""
@@ -196,7 +196,7 @@ DOCUMENTS: list[tuple[str, str, str]] = [
 ]
 
 
-# (doc_id, title, file in jobs/sample_texts/); the first two are longer than 2048 tokens.
+# (doc_id, title, file in jobs/domain/sample_texts/); the first two are longer than 2048 tokens.
 LONG_DOCUMENTS: list[tuple[str, str, str]] = [
     ("freight-design", "How Freight Runs a Batch Job", "freight-design.md"),
     ("harbour-almanac", "The Harbour Town Almanac", "harbour-almanac.md"),
@@ -207,7 +207,7 @@ LONG_DOCUMENTS: list[tuple[str, str, str]] = [
 
 def long_document_text(file_name: str) -> str:
     """A long sample text without its Markdown title line."""
-    text = (files("jobs") / "sample_texts" / file_name).read_text(encoding="utf-8")
+    text = (files("jobs.domain") / "sample_texts" / file_name).read_text(encoding="utf-8")
     lines = text.splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]

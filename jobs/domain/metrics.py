@@ -10,11 +10,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from jobs.domain.settings import Settings
 from storage.attempt_store import attempt_totals, attempted_shards
 from storage.job_store import seconds_between
 from storage.models import Job, ResultRow, Shard, utcnow
 from storage.result_store import token_sums
-from storage.settings import Settings
 from storage.shard_store import shards_of
 from storage.status import FinishReason
 from storage.summary_store import summary_counts

@@ -13,8 +13,8 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.schemas import JobParams
-from storage.settings import Settings
+from jobs.domain.schemas import JobParams
+from jobs.domain.settings import Settings
 from storage.status import FINAL_JOB_STATUSES
 
 RETRIES_ON_503 = 5

@@ -1,7 +1,7 @@
 """Memory under load: one big job (200,000 short prompts, max_tokens 1 by default) through `freight api`
 and one `freight worker`, sampling the resident memory (RSS) of both processes the whole time.
 
-    python -m worker.load_bench --database-url postgresql+psycopg://postgres@127.0.0.1:5432/freight_load \\
+    .venv/bin/python scripts/load_bench.py --database-url postgresql+psycopg://postgres@127.0.0.1:5432/freight_load \\
         --broker-url redis://127.0.0.1:6379/9 [--rows 200000] [--model PATH]
 
 The database is migrated here. Without --model a tiny random-weight Llama (2 layers, hidden 64) with
@@ -29,10 +29,12 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.client import FreightClient
-from storage.db import make_engine, make_session_factory, upgrade
-from storage.keys import create_key
-from storage.settings import Settings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from jobs.cli.client import FreightClient  # noqa: E402
+from jobs.domain.settings import Settings  # noqa: E402
+from storage.db import make_engine, make_session_factory, upgrade  # noqa: E402
+from storage.keys import create_key  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -105,7 +107,7 @@ def _free_port() -> int:
 def _wait_for_worker(settings: Settings, timeout_s: float = 600) -> None:
     from celery import Celery
 
-    from jobs.broker import celery_config
+    from jobs.domain.broker import celery_config
 
     control = Celery("freight-load-bench", set_as_current=False)
     control.conf.update(celery_config(settings))

@@ -12,7 +12,8 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobEvent, ResultRow, Shard, as_utc, utcnow
-from storage.status import FINAL_JOB_STATUSES, FinishReason, JobStatus
+from storage.shard_store import unfinished_shards
+from storage.status import FINAL_JOB_STATUSES, FinishReason, JobStatus, allowed_sources
 
 
 def new_job_id() -> str:
@@ -50,12 +51,8 @@ def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[in
     session.add_all(
         Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
     )
-    moved = _transition(
-        session,
-        job_id,
-        JobStatus.QUEUED,
-        from_statuses=[JobStatus.VALIDATING],
-        extra={"num_rows": num_rows, "num_shards": len(shards)},
+    moved = _move(
+        session, job_id, to=JobStatus.QUEUED, extra={"num_rows": num_rows, "num_shards": len(shards)}
     )
     if not moved:
         session.rollback()
@@ -94,54 +91,72 @@ def list_jobs(
     return rows[:limit], len(rows) > limit
 
 
-def _transition(
+def _move(
     session: Session,
     job_id: str,
-    to_status: JobStatus,
     *,
-    from_statuses: Iterable[str],
+    to: JobStatus,
+    only_from: Iterable[JobStatus] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> bool:
+    sources = _sources(to, only_from)
     now = utcnow()
-    values: dict[str, Any] = {"status": to_status}
-    if to_status == JobStatus.IN_PROGRESS:
+    values: dict[str, Any] = {"status": to}
+    if to == JobStatus.IN_PROGRESS:
         values["started_at"] = now
-    if to_status in FINAL_JOB_STATUSES:
+    if to in FINAL_JOB_STATUSES:
         values["finished_at"] = now
     values.update(extra or {})
     result = session.execute(
-        update(Job).where(Job.id == job_id, Job.status.in_(list(from_statuses))).values(**values)
+        update(Job).where(Job.id == job_id, Job.status.in_(sorted(sources))).values(**values)
     )
     if result.rowcount != 1:
         return False
-    session.add(JobEvent(job_id=job_id, status=to_status, at=now))
+    session.add(JobEvent(job_id=job_id, status=to, at=now))
     return True
 
 
-def transition(
+def _sources(to: JobStatus, only_from: Iterable[JobStatus] | None) -> frozenset[JobStatus]:
+    """The statuses the move may start from: those storage.status.JOB_TRANSITIONS allows, or the
+    subset of them a caller names (`only_from`); a move the table does not allow is a bug."""
+    allowed = allowed_sources(to)
+    if only_from is None:
+        sources = allowed
+    else:
+        sources = frozenset(JobStatus(status) for status in only_from)
+    if not allowed or not sources <= allowed:
+        raise ValueError(f"illegal job move to {to}: allowed only from {sorted(allowed)}")
+    return sources
+
+
+def move(
     session: Session,
     job_id: str,
-    to_status: JobStatus,
     *,
-    from_statuses: Iterable[str],
+    to: JobStatus,
+    only_from: Iterable[JobStatus] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> bool:
-    """Move the job to `to_status` if it is in one of `from_statuses`; True for the one caller that did."""
-    moved = _transition(session, job_id, to_status, from_statuses=from_statuses, extra=extra)
+    """Move the job to `to` if its status is one the lifecycle (JOB_TRANSITIONS) allows that move
+    from, or one of `only_from` (a subset of those) when given; commits. True for the one caller
+    that moved it."""
+    moved = _move(session, job_id, to=to, only_from=only_from, extra=extra)
     session.commit()
     return moved
+
+
+def mark_finalizing(session: Session, job_id: str) -> bool:
+    """Once every shard is finished, move the job to finalizing. True when the job is finalizing now
+    (moved by this call or by another). Safe from many processes at once: the conditional update lets
+    exactly one of them move the job."""
+    if unfinished_shards(session, job_id):
+        return False
+    move(session, job_id, to=JobStatus.FINALIZING)
+    return job_status(session, job_id) == JobStatus.FINALIZING
 
 
 def request_cancel(session: Session, job_id: str) -> bool:
-    moved = _transition(
-        session,
-        job_id,
-        JobStatus.CANCELLING,
-        from_statuses=[JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS],
-        extra={"cancel_requested": True},
-    )
-    session.commit()
-    return moved
+    return move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True})
 
 
 def job_status(session: Session, job_id: str) -> str | None:

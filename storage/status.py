@@ -19,6 +19,28 @@ class JobStatus(StrEnum):
 FINAL_JOB_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
 # A cancel request is accepted only while work remains to be stopped.
 CANCELLABLE_JOB_STATUSES = frozenset({JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS})
+# Shards may still be running (or all be finished, with the move to finalizing not made yet).
+ACTIVE_JOB_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING})
+
+# The job's lifecycle, the one place it is written down: for each status, the statuses a job may
+# enter it from. storage.job_store.move refuses any other move.
+#   validating -> queued -> in_progress -> finalizing -> completed | cancelled | failed
+#   validating | queued | in_progress -> cancelling -> finalizing (then cancelled)
+#   queued -> failed (the broker could not be reached at submit)
+JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.VALIDATING}),  # the input was valid and the shards are cut
+    JobStatus.IN_PROGRESS: frozenset({JobStatus.QUEUED}),  # the first shard started
+    JobStatus.CANCELLING: CANCELLABLE_JOB_STATUSES,
+    JobStatus.FINALIZING: ACTIVE_JOB_STATUSES,  # every shard is finished
+    JobStatus.COMPLETED: frozenset({JobStatus.FINALIZING}),
+    JobStatus.CANCELLED: frozenset({JobStatus.FINALIZING}),
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.FINALIZING}),
+}
+
+
+def allowed_sources(to: JobStatus) -> frozenset[JobStatus]:
+    """The statuses a job may move to `to` from (none for `validating`, which a job starts in)."""
+    return JOB_TRANSITIONS.get(JobStatus(to), frozenset())
 
 
 class ShardStatus(StrEnum):

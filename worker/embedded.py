@@ -44,7 +44,8 @@ def run_embedded(
 ) -> EmbeddedResult:
     from worker.finalize import finalize_job
     from worker.llm_pool import LLMPool
-    from worker.shard_runner import ShardRetry, WorkerContext, ready_to_finalize, run_shard
+    from worker.retry import RetryPolicy, ShardRetry
+    from worker.shard_runner import WorkerContext, ready_to_finalize, run_shard
 
     settings = settings or Settings()
     url = settings.embedded_database_url
@@ -62,8 +63,9 @@ def run_embedded(
             on_status(f"job {job.id}: {job.request_counts.total} rows; loading {job.model}")
         pool.get(service.resolve(params))  # load before the progress bar starts
         tracker = _ProgressTracker(job.request_counts.total, on_progress)
+        policy = RetryPolicy.from_settings(settings)
         for shard_index in service.shard_indices(job.id):
-            for _attempt in range(settings.shard_max_attempts):
+            for _attempt in policy.attempts():
                 try:
                     run_shard(ctx, pool, job.id, shard_index, on_progress=tracker.shard_update)
                     break

@@ -36,23 +36,17 @@ def finalize_job(ctx: WorkerContext, job_id: str) -> str | None:
             metrics = compute_metrics(session, job, ctx.settings, finished_at=finished_at)
             ctx.blobs.write_text(metrics_name(job_id), json.dumps(metrics, indent=2))
             final = JobStatus.CANCELLED if job.cancel_requested else JobStatus.COMPLETED
-            job_store.transition(
-                session,
-                job_id,
-                final,
-                from_statuses=[JobStatus.FINALIZING],
-                extra={"metrics": metrics, "finished_at": finished_at},
-            )
+            job_store.move(session, job_id, to=final, extra={"metrics": metrics, "finished_at": finished_at})
         except Exception as exc:
             if isinstance(exc, DBAPIError) and exc.connection_invalidated:
                 raise  # the database connection dropped: the task tries again, the job is fine
             log.exception("finalizing %s failed", job_id)
             session.rollback()
-            job_store.transition(
+            job_store.move(
                 session,
                 job_id,
-                JobStatus.FAILED,
-                from_statuses=[JobStatus.FINALIZING],
+                to=JobStatus.FAILED,
+                only_from=[JobStatus.FINALIZING],
                 extra={"error": f"finalize failed: {exc.__class__.__name__}: {exc}"},
             )
         return job_store.job_status(session, job_id)

@@ -25,7 +25,7 @@ from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore
 from storage.result_store import insert_results, stored_row_indices
-from storage.shard_store import Claim, claim_shard, finish_shard, get_shard, release_shard, unfinished_shards
+from storage.shard_store import Claim, claim_shard, finish_shard, get_shard, release_shard
 from storage.status import AttemptOutcome, FinishReason, JobStatus, ShardStatus
 from worker.attempt_meter import AttemptMeter
 from worker.engine import LLM, SamplingParams
@@ -33,6 +33,7 @@ from worker.engine_stats import shard_stats
 from worker.inputs import read_rows
 from worker.llm_pool import LLMPool
 from worker.result_writer import ProgressCallback, ResultWriter
+from worker.retry import ShardRetry
 from worker.summarize_runner import PartWriter, summarize_rows
 from worker.truncation import truncated_ids
 
@@ -66,10 +67,6 @@ class ShardOutcome:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class ShardRetry(Exception):
-    """The shard failed and was handed back; the caller should run it again."""
 
 
 class ShardHandedBack(Exception):
@@ -127,18 +124,9 @@ def run_shard(
 
 
 def ready_to_finalize(ctx: WorkerContext, job_id: str) -> bool:
-    """True when every shard is finished and the job is (now) finalizing. Safe to call from many
-    workers at once: the conditional update lets exactly one of them move the job."""
+    """True when every shard is finished and the job is (now) finalizing (job_store.mark_finalizing)."""
     with ctx.sessions() as session:
-        if unfinished_shards(session, job_id):
-            return False
-        job_store.transition(
-            session,
-            job_id,
-            JobStatus.FINALIZING,
-            from_statuses=[JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING],
-        )
-        return job_store.job_status(session, job_id) == JobStatus.FINALIZING
+        return job_store.mark_finalizing(session, job_id)
 
 
 def _execute(
@@ -156,7 +144,7 @@ def _execute(
         if job.cancel_requested:
             _finish(session, meter, job_id, shard_index, owner, ShardStatus.CANCELLED, None)
             return ShardStatus.CANCELLED, 0
-        job_store.transition(session, job_id, JobStatus.IN_PROGRESS, from_statuses=[JobStatus.QUEUED])
+        job_store.move(session, job_id, to=JobStatus.IN_PROGRESS)
         stored = stored_row_indices(session, job_id, shard.row_indices)
     params = ResolvedParams(**job.params)
     todo = [index for index in shard.row_indices if index not in stored]

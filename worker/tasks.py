@@ -9,22 +9,24 @@ import logging
 from celery import Celery, Task
 from celery.exceptions import Reject
 
-from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD
+from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher
 from storage.shard_store import Claim
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.prometheus import WorkerMetrics
 from worker.result_writer import ShardProgress
-from worker.shard_runner import ShardRetry, WorkerContext, run_shard
+from worker.retry import RetryPolicy, ShardRetry
+from worker.shard_runner import WorkerContext, run_shard
 
 log = logging.getLogger(__name__)
-RETRY_DELAY_S = 2
-INFRASTRUCTURE_RETRY_DELAY_S = 10  # the database was unreachable: the shard's state is unknown
 
 
 def register_tasks(
     app: Celery, ctx: WorkerContext, pool: LLMPool, metrics: WorkerMetrics | None = None
 ) -> None:
+    policy = RetryPolicy.from_settings(ctx.settings)
+    dispatcher = CeleryDispatcher(ctx.settings, app=app)
+
     @app.task(name=TASK_RUN_SHARD, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
     def run_shard_task(self: Task, job_id: str, shard_index: int) -> dict:
         last_progress: dict = {}  # the final numbers also go into the task's result (Flower keeps that)
@@ -45,12 +47,12 @@ def register_tasks(
             outcome = run_shard(ctx, pool, job_id, shard_index, on_progress=progress)
         except ShardRetry as exc:
             # run_shard counts attempts in the database and stops retrying after shard_max_attempts.
-            raise self.retry(exc=exc, countdown=RETRY_DELAY_S) from exc
+            raise self.retry(exc=exc, countdown=policy.shard_delay_s) from exc
         except Exception as exc:
             # Not the shard's fault (say the database went away while recording a failure): keep the
             # task alive so the shard is not left without a message.
             log.exception("shard %d of %s could not be run; trying again", shard_index, job_id)
-            raise self.retry(exc=exc, countdown=INFRASTRUCTURE_RETRY_DELAY_S) from exc
+            raise self.retry(exc=exc, countdown=policy.infrastructure_delay_s) from exc
         if metrics is not None:
             ended = "handed_back" if outcome.handed_back else outcome.status or outcome.claim
             metrics.observe_shard_end(job_id, shard_index, str(ended), outcome.rows_written)
@@ -61,7 +63,7 @@ def register_tasks(
             # Another worker holds a live lease (this is a redelivered or duplicated message). Look
             # again later: if that worker dies its lease lapses and this message takes the shard over;
             # if it finishes, the next look finds the shard finished.
-            delay = max(1.0, ctx.settings.shard_lease_seconds / 2)
+            delay = policy.held_delay_s
             log.info(
                 "shard %d of %s is held by another worker; looking again in %.0fs", shard_index, job_id, delay
             )
@@ -69,7 +71,7 @@ def register_tasks(
         if outcome.ready_to_finalize:
             # Sent before this task is acknowledged: if the worker dies first, the redelivered
             # shard finds the job finalizing and sends it again (finalize is idempotent).
-            app.send_task(TASK_FINALIZE_JOB, args=[job_id])  # the default queue is this model's queue
+            dispatcher.dispatch_finalize(job_id)  # the default queue is this model's queue
         return {**last_progress, **outcome.as_dict()}
 
     @app.task(name=TASK_FINALIZE_JOB, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
@@ -78,4 +80,4 @@ def register_tasks(
             return {"job_id": job_id, "status": finalize_job(ctx, job_id)}
         except Exception as exc:  # the database went away: the job stays finalizing until this runs
             log.exception("finalizing %s could not run; trying again", job_id)
-            raise self.retry(exc=exc, countdown=INFRASTRUCTURE_RETRY_DELAY_S) from exc
+            raise self.retry(exc=exc, countdown=policy.infrastructure_delay_s) from exc

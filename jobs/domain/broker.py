@@ -59,20 +59,28 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
 
 
 class CeleryDispatcher:
-    """Sends one run_shard task per shard to the model's queue."""
+    """Sends the tasks: one run_shard per shard, and finalize_job, to the model's queue. The API
+    makes its own Celery app; a worker passes the app it runs (its default queue is its model's)."""
 
-    def __init__(self, settings: Settings) -> None:
-        from celery import Celery
-
+    def __init__(self, settings: Settings, app: Any = None) -> None:
         self.settings = settings
-        self.app = Celery("freight-api", set_as_current=False)
-        self.app.conf.update(celery_config(settings))
+        if app is None:
+            from celery import Celery
+
+            app = Celery("freight-api", set_as_current=False)
+            app.conf.update(celery_config(settings))
+        self.app = app
 
     def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None:
         queue = queue_for_model(self.settings, model)
         with self.app.producer_or_acquire() as producer:
             for index in shard_indices:
                 self.app.send_task(TASK_RUN_SHARD, args=[job_id, index], queue=queue, producer=producer)
+
+    def dispatch_finalize(self, job_id: str, model: str | None = None) -> None:
+        """Send finalize_job to `model`'s queue, or without a model to the app's default queue."""
+        options = {} if model is None else {"queue": queue_for_model(self.settings, model)}
+        self.app.send_task(TASK_FINALIZE_JOB, args=[job_id], **options)
 
     def ping(self, timeout: float = 2.0) -> None:
         """Raise if the broker cannot be reached."""

@@ -25,11 +25,9 @@ from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore
 from storage.models import Job, Shard, utcnow
-from storage.shard_store import unfinished_shards
-from storage.status import JobStatus, ShardStatus
+from storage.status import ACTIVE_JOB_STATUSES, JobStatus, ShardStatus
 
 log = logging.getLogger(__name__)
-ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)
 UNACKED_KEY = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
 ABANDONED_VALIDATION = timedelta(hours=1)
 
@@ -101,13 +99,8 @@ class Recovery:
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):
                     continue  # another deployment's job (its files are elsewhere), or being deleted
-                if job.status != JobStatus.FINALIZING and unfinished_shards(session, job.id) == 0:
-                    # Every shard is done but the move to finalizing was lost with its worker.
-                    job_store.transition(
-                        session, job.id, JobStatus.FINALIZING, from_statuses=list(ACTIVE_JOB_STATUSES)
-                    )
-                    session.refresh(job)
-                if job.status == JobStatus.FINALIZING:
+                # Every shard may be done with the move to finalizing lost with its worker.
+                if job.status == JobStatus.FINALIZING or job_store.mark_finalizing(session, job.id):
                     expected[(TASK_FINALIZE_JOB, job.id, None)] = job.model
                     continue
                 for index in self._idle_shards(session, job.id, now):
@@ -118,12 +111,11 @@ class Recovery:
         missing = set(expected) - self._work_in_broker({model for model in expected.values()})
         for work in sorted(missing & self.suspects, key=str):
             task, job_id, index = work
-            queue = queue_for_model(self.settings, expected[work])
             if task == TASK_RUN_SHARD:
                 self.dispatcher.dispatch(job_id, expected[work], [index])
                 report.shards_resent.append((job_id, index))
             else:
-                self.dispatcher.app.send_task(TASK_FINALIZE_JOB, args=[job_id], queue=queue)
+                self.dispatcher.dispatch_finalize(job_id, expected[work])
                 report.finalize_resent.append(job_id)
             log.warning(
                 "re-sent %s for %s (its message was lost)", task, job_id if index is None else (job_id, index)

@@ -122,11 +122,11 @@ class JobService:
             except Exception as exc:
                 log.exception("could not enqueue job %s", job_id)
                 with self.sessions() as session:
-                    job_store.transition(
+                    job_store.move(
                         session,
                         job_id,
-                        JobStatus.FAILED,
-                        from_statuses=[JobStatus.QUEUED],
+                        to=JobStatus.FAILED,
+                        only_from=[JobStatus.QUEUED],  # only if no worker has started it
                         extra={"error": f"the broker could not be reached: {exc}"},
                     )
                 raise BrokerUnavailable(str(exc)) from exc

@@ -97,9 +97,7 @@ def test_concurrent_claims_and_transitions_have_exactly_one_winner(sessions: ses
 
     def finalize(_: int) -> bool:
         with sessions() as session:
-            return job_store.transition(
-                session, job_id, JobStatus.FINALIZING, from_statuses=[JobStatus.QUEUED, JobStatus.IN_PROGRESS]
-            )
+            return job_store.move(session, job_id, to=JobStatus.FINALIZING)
 
     with ThreadPoolExecutor(8) as pool:
         claims = list(pool.map(claim, [f"w{i}" for i in range(8)]))
@@ -132,12 +130,8 @@ def test_cancel_is_accepted_only_before_the_job_finishes(sessions: sessionmaker[
         assert job_store.request_cancel(session, job_id)
         assert not job_store.request_cancel(session, job_id)  # already cancelling
         assert job_store.get_job(session, job_id).cancel_requested
-        assert job_store.transition(
-            session, job_id, JobStatus.FINALIZING, from_statuses=[JobStatus.CANCELLING]
-        )
-        assert job_store.transition(
-            session, job_id, JobStatus.CANCELLED, from_statuses=[JobStatus.FINALIZING]
-        )
+        assert job_store.move(session, job_id, to=JobStatus.FINALIZING)
+        assert job_store.move(session, job_id, to=JobStatus.CANCELLED)
         assert not job_store.request_cancel(session, job_id)
         job = job_store.get_job(session, job_id)
         session.refresh(job)

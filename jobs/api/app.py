@@ -5,25 +5,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, UploadFile
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from jobs.api.prometheus import install_metrics
 from jobs.api.report import job_report_html
 from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
-from jobs.domain.errors import Conflict, InputError, NotFound
+from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
 from jobs.domain.recovery import start_recovery
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams
 from jobs.domain.service import BrokerUnavailable, JobService
@@ -35,6 +41,12 @@ from storage.status import JobStatus
 
 bearer = HTTPBearer(auto_error=False, description="an API key from `freight keys create --tenant NAME`")
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
+# What storage.job_store.new_job_id makes: anything else names no job (and may not even be storable in
+# Postgres, e.g. a NUL), so the API answers it without a query.
+JOB_ID_PATTERN = re.compile(r"job_[0-9a-f]{32}")
+FORM_PARTS = ("file", "params")
+MAX_PARAMS_BYTES = 1024 * 1024
+MAX_VALIDATION_MESSAGE_CHARS = 300
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -96,35 +108,163 @@ Service = Annotated[JobService, Depends(_service)]
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answer has one shape (jobs/domain/errors.py): {"error": {message, type, param, code}}."""
+
     @app.exception_handler(InputError)
     async def input_error(_request: Request, exc: InputError) -> JSONResponse:
         return JSONResponse({"error": exc.as_dict()}, status_code=exc.status_code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, clip(exc.detail, MAX_VALIDATION_MESSAGE_CHARS)),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer repeats the input; this one names the parameter and what is wrong with it.
+        problems = []
+        param = None
+        for error in exc.errors():
+            location = ".".join(str(part) for part in error.get("loc", ())[1:]) or "request"
+            param = param or location
+            problems.append(f"{location}: {clip(error.get('msg', 'invalid'), MAX_VALIDATION_MESSAGE_CHARS)}")
+        return JSONResponse(error_body(422, "; ".join(problems[:5]), param=param), status_code=422)
+
     @app.exception_handler(NotFound)
     async def not_found(_request: Request, exc: NotFound) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=404)
+        return JSONResponse(error_body(404, str(exc)), status_code=404)
 
     @app.exception_handler(Conflict)
     async def conflict(_request: Request, exc: Conflict) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=409)
+        return JSONResponse(error_body(409, str(exc)), status_code=409)
 
     @app.exception_handler(BrokerUnavailable)
     async def broker_down(_request: Request, exc: BrokerUnavailable) -> JSONResponse:
-        return JSONResponse({"error": {"message": f"the job queue is unavailable: {exc}"}}, status_code=503)
+        return JSONResponse(error_body(503, f"the job queue is unavailable: {exc}"), status_code=503)
 
     @app.exception_handler(OperationalError)
     async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
         # A dropped or refused database connection: nothing was half-done; ask the client to retry.
         return JSONResponse(
-            {"error": {"message": f"the database is unavailable: {exc.orig.__class__.__name__}"}},
+            error_body(503, f"the database is unavailable: {exc.orig.__class__.__name__}"),
             status_code=503,
             headers={"Retry-After": "1"},
         )
 
 
-def _parse_params(raw: str) -> JobParams:
+def _job_id(job_id: Annotated[str, PathParam(description="a job id, job_ followed by 32 hex digits")]) -> str:
+    """Job ids have one format (JobService makes them); anything else names no job. Checked here, before
+    the database sees it (a NUL, for one, cannot even be sent to Postgres)."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        raise NotFound(f"no job {clip_repr(job_id)}")
+    return job_id
+
+
+JobId = Annotated[str, Depends(_job_id)]
+
+
+class _CheckedMultiPartParser(MultiPartParser):
+    """Starlette's parser, which also notes whether the closing boundary came: without it the last
+    part is silently dropped (python-multipart does not check), so the body must be refused."""
+
+    ended = False
+
+    def on_end(self) -> None:
+        self.ended = True
+
+
+async def _job_upload(request: Request) -> AsyncIterator[tuple[UploadFile, str | None]]:
+    """The submit body: multipart/form-data with one `file` part and at most one `params` field.
+    Parsed here rather than by FastAPI's File()/Form(), which take the last of repeated parts and
+    accept a body cut short before its closing boundary."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        async for _chunk in request.stream():  # read the body so the connection stays usable
+            pass
+        raise InputError(
+            "send the job as multipart/form-data: a `file` part (the Parquet file) and an optional "
+            "`params` field",
+            status_code=415 if content_type else 422,
+            field="file",
+        )
+    parser = _CheckedMultiPartParser(
+        request.headers,
+        request.stream(),
+        max_files=len(FORM_PARTS) + 1,
+        max_fields=len(FORM_PARTS) + 1,
+        max_part_size=MAX_PARAMS_BYTES,
+    )
     try:
-        payload = json.loads(raw or "{}")
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise InputError(f"malformed multipart body: {exc.message}", status_code=400) from exc
+    try:
+        if not parser.ended:
+            for spooled in getattr(parser, "_files_to_close_on_error", []):
+                spooled.close()
+            raise InputError(
+                "the multipart body ends without its closing boundary: it is incomplete", status_code=400
+            )
+        file, params = _form_parts(form)
+        yield file, params
+    finally:
+        await form.close()
+
+
+def _form_parts(form: FormData) -> tuple[UploadFile, str | None]:
+    for name in dict.fromkeys(form.keys()):
+        if name not in FORM_PARTS:
+            raise InputError(
+                f"unknown part {clip_repr(name)}; the body takes `file` and `params`", field=clip(name)
+            )
+        count = len(form.getlist(name))
+        if count > 1:
+            raise InputError(f"the body has {count} `{name}` parts; send one", field=name)
+    file = form.get("file")
+    if file is None:
+        raise InputError("the `file` part is missing: send the Parquet file as `file`", field="file")
+    if isinstance(file, str):
+        raise InputError("`file` must be a file part (with a filename), not a plain form field", field="file")
+    params = form.get("params")
+    if params is not None and not isinstance(params, str):
+        raise InputError("`params` must be a plain form field holding JSON, not a file", field="params")
+    return file, params
+
+
+Upload = Annotated[tuple[UploadFile, str | None], Depends(_job_upload)]
+SUBMIT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "the input Parquet file",
+                        },
+                        "params": {"type": "string", "description": "job parameters as a JSON object"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def _parse_params(raw: str | None) -> JobParams:
+    if raw is None:
+        return JobParams()
+    if not raw.strip():
+        raise InputError("params is empty: send a JSON object (or leave the part out)", field="params")
+    try:
+        payload = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise InputError(f"params is not valid JSON: {exc}", field="params") from exc
     if not isinstance(payload, dict):
@@ -133,8 +273,8 @@ def _parse_params(raw: str) -> JobParams:
         return JobParams.model_validate(payload)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'params'}: {error['msg']}"
-            for error in exc.errors()
+            f"{'.'.join(clip(part, 64) for part in error['loc']) or 'params'}: {clip(error['msg'], 200)}"
+            for error in exc.errors()[:5]
         )
         raise InputError(f"invalid params: {problems}", field="params") from exc
 
@@ -167,14 +307,9 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
             {"status": "ready" if ready else "not ready", **checks}, status_code=200 if ready else 503
         )
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobObject, tags=["jobs"])
-    def submit_job(
-        request: Request,
-        tenant: Tenant,
-        service: Service,
-        file: Annotated[UploadFile, File(description="the input Parquet file")],
-        params: Annotated[str, Form(description="job parameters as a JSON object")] = "{}",
-    ) -> JobObject:
+    @app.post("/v1/jobs", status_code=201, response_model=JobObject, tags=["jobs"], openapi_extra=SUBMIT_BODY)
+    def submit_job(request: Request, tenant: Tenant, service: Service, upload: Upload) -> JobObject:
+        file, params = upload
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_upload_bytes + 1024 * 1024:
             raise InputError(
@@ -190,22 +325,24 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         after: Annotated[str | None, Query(description="id of the last job of the previous page")] = None,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
     ) -> JobList:
+        if after is not None and not JOB_ID_PATTERN.fullmatch(after):
+            raise InputError(f"unknown cursor {clip_repr(after)}", field="after")
         return service.list(tenant, status, after, limit)
 
     @app.get("/v1/jobs/{job_id}", response_model=JobObject, tags=["jobs"])
-    def get_job(job_id: str, tenant: Tenant, service: Service) -> JobObject:
+    def get_job(tenant: Tenant, service: Service, job_id: JobId) -> JobObject:
         return service.get(tenant, job_id)
 
     @app.get("/v1/jobs/{job_id}/events", response_model=list[JobEventOut], tags=["jobs"])
-    def job_events(job_id: str, tenant: Tenant, service: Service) -> list[JobEventOut]:
+    def job_events(tenant: Tenant, service: Service, job_id: JobId) -> list[JobEventOut]:
         return service.events(tenant, job_id)
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobObject, tags=["jobs"])
-    def cancel_job(job_id: str, tenant: Tenant, service: Service) -> JobObject:
+    def cancel_job(tenant: Tenant, service: Service, job_id: JobId) -> JobObject:
         return service.cancel(tenant, job_id)
 
     @app.get("/v1/jobs/{job_id}/results", tags=["jobs"], response_class=FileResponse)
-    def job_results(job_id: str, tenant: Tenant, service: Service) -> FileResponse:
+    def job_results(tenant: Tenant, service: Service, job_id: JobId) -> FileResponse:
         handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-partial-")
         os.close(handle)
         try:
@@ -226,10 +363,10 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         )
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, tags=["jobs"])
-    def job_metrics(job_id: str, tenant: Tenant, service: Service) -> dict:
+    def job_metrics(tenant: Tenant, service: Service, job_id: JobId) -> dict:
         return service.metrics(tenant, job_id)
 
     @app.get("/v1/jobs/{job_id}/report", tags=["jobs"], response_class=HTMLResponse)
-    def job_report(job_id: str, tenant: Tenant, service: Service) -> HTMLResponse:
+    def job_report(tenant: Tenant, service: Service, job_id: JobId) -> HTMLResponse:
         """One self-contained HTML page: parameters, status, cost table and plots."""
         return HTMLResponse(job_report_html(service, tenant, job_id))

@@ -1,15 +1,21 @@
 """Refuse request bodies over the upload limit without storing them. FastAPI parses a multipart body
 (spooling it to a temp file) before the route runs, so a check in the route comes too late to spare
 the disk; this ASGI middleware answers 413 from the Content-Length header, and stops storing a body
-sent without one (chunked) as soon as it passes the limit. The refused body is read and dropped
-(up to DRAIN_BYTES) so that an ordinary client, which sends its whole body before it reads the
-answer, sees the 413 rather than a reset connection."""
+sent without one (chunked) as soon as it passes the limit. The 413 is written at once; then the rest
+of the refused body is read and dropped (up to DRAIN_BYTES, and only while it keeps coming) before
+the response is finished and the connection closed, so that an ordinary client, which sends its whole
+body before it reads the answer, sees the 413 rather than a reset connection, and a client whose
+Content-Length claims more than it sends gets its answer without waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from jobs.domain.errors import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,6 +26,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Multipart framing and the params field ride along with the file.
 ENVELOPE_BYTES = 1024 * 1024
 DRAIN_BYTES = 256 * 1024 * 1024
+DRAIN_IDLE_SECONDS = 2.0  # stop draining when the client sends nothing for this long
+DRAIN_SECONDS = 30.0  # and after this long in all
 
 
 class BodyTooLarge(Exception):
@@ -41,8 +49,7 @@ class UploadLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _drain(receive, 0)
-            await self._refuse(send)
+            await self._refuse(send, receive, 0)
             return
         received = 0
         exceeded = False
@@ -54,8 +61,8 @@ class UploadLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     exceeded = True
-                    if message.get("more_body", False):
-                        await _drain(receive, received)
+                    if not message.get("more_body", False):
+                        received = DRAIN_BYTES  # nothing is left to drain
                     # The body parser fails on this (however the app's middleware wraps it), so the
                     # route never runs; the answer it gives instead is replaced below.
                     raise BodyTooLarge(self.message())
@@ -71,10 +78,10 @@ class UploadLimit:
             if not exceeded:
                 raise
         if exceeded:
-            await self._refuse(send)
+            await self._refuse(send, receive, received)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"error": {"message": self.message()}}).encode()
+    async def _refuse(self, send: Send, receive: Receive, received: int) -> None:
+        body = json.dumps(error_body(413, self.message())).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -86,14 +93,26 @@ class UploadLimit:
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        # The whole answer goes out now; the response stays open (the server would stop handing over the
+        # body once it is complete) while the rest of the body is drained, then ends with nothing more.
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await _drain(receive, received)
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _drain(receive: Receive, already: int) -> None:
-    """Read and drop the rest of a refused body, up to DRAIN_BYTES in all."""
+    """Read and drop the rest of a refused body: up to DRAIN_BYTES in all, for at most DRAIN_SECONDS,
+    and only while it keeps coming (a Content-Length can promise far more than is ever sent)."""
     drained = already
+    deadline = time.monotonic() + DRAIN_SECONDS
     while drained < DRAIN_BYTES:
-        message = await receive()
+        wait = min(DRAIN_IDLE_SECONDS, deadline - time.monotonic())
+        if wait <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), wait)
+        except TimeoutError:
+            return
         if message["type"] != "http.request":
             return
         drained += len(message.get("body", b""))

@@ -21,11 +21,27 @@ RETRIES_ON_503 = 5
 
 
 class FreightAPIError(Exception):
+    """An error answer: `detail` is the body's `error` object ({message, type, param, code}, and
+    row, column or field where they apply), or the body's text when it is not JSON."""
+
     def __init__(self, status_code: int, detail: Any) -> None:
-        message = detail.get("message") if isinstance(detail, dict) else detail
+        fields = detail if isinstance(detail, dict) else {}
+        message = fields.get("message", detail)
         super().__init__(f"HTTP {status_code}: {message}")
         self.status_code = status_code
         self.detail = detail
+        self.message = message
+        self.type: str | None = fields.get("type")
+        self.param: str | None = fields.get("param")
+        self.code: str | None = fields.get("code")
+
+
+def _error_detail(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    return body.get("error", body) if isinstance(body, dict) else body
 
 
 class FreightClient:
@@ -60,12 +76,7 @@ class FreightClient:
             time.sleep(float(response.headers.get("retry-after", "1")))
             response = self.http.request(method, path, **kwargs)
         if response.status_code >= 400:
-            try:
-                body = response.json()
-                detail = body.get("error") or body.get("detail") or body
-            except ValueError:
-                detail = response.text
-            raise FreightAPIError(response.status_code, detail)
+            raise FreightAPIError(response.status_code, _error_detail(response))
         return response
 
     def submit(
@@ -143,7 +154,7 @@ class FreightClient:
         with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
             if response.status_code >= 400:
                 response.read()
-                raise FreightAPIError(response.status_code, response.text)
+                raise FreightAPIError(response.status_code, _error_detail(response))
             with open(path, "wb") as sink:
                 for chunk in response.iter_bytes():
                     sink.write(chunk)

@@ -11,6 +11,7 @@ from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
 from storage.status import JobStatus
 
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_METADATA_PAIRS = 16
@@ -19,15 +20,16 @@ MAX_METADATA_VALUE_CHARS = 512
 
 
 class JobParams(BaseModel):
-    """Job parameters as sent by a client (`params` JSON). Unknown keys are refused."""
+    """Job parameters as sent by a client (`params` JSON). Unknown keys are refused, and types are strict:
+    `"8"` or `true` is not a max_tokens, `"yes"` not a chat flag (an integer is accepted for a float)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(
         None, description="model alias or path the workers serve; default from settings"
     )
     max_tokens: int = Field(256, ge=1, description="output tokens per row (a `max_tokens` column overrides)")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy; at most 2")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

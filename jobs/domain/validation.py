@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.domain.errors import InputError
+from jobs.domain.errors import InputError, clip_repr
 from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
-from jobs.domain.schemas import OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.schemas import MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5
@@ -33,9 +33,24 @@ def open_parquet(path: Path) -> pq.ParquetFile:
     if path.stat().st_size == 0:
         raise InputError("the file is empty", status_code=400)
     try:
-        return pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"not a readable Parquet file: {exc}", status_code=400) from exc
+    check_unique_columns(parquet.schema_arrow)
+    return parquet
+
+
+def check_unique_columns(schema: pa.Schema) -> None:
+    """Two columns of one name make every use of that name ambiguous: refuse the file."""
+    seen: set[str] = set()
+    for name in schema.names:
+        if name in seen:
+            count = schema.names.count(name)
+            raise InputError(
+                f"column {clip_repr(name)} appears {count} times; column names must be unique",
+                column=name[:100],
+            )
+        seen.add(name)
 
 
 def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> ValidatedInput:
@@ -134,8 +149,8 @@ def _check_override_values(
         bad = valid & ((values < 1) | (values >= max_model_len))
         limit = f"between 1 and {max_model_len - 1}"
     elif name == "temperature":
-        bad = valid & ~((values >= 0) & np.isfinite(values))
-        limit = "a finite number >= 0"
+        bad = valid & ~((values >= 0) & (values <= MAX_TEMPERATURE))
+        limit = f"between 0 and {MAX_TEMPERATURE:g}"
     elif name == "top_p":
         bad = valid & ~((values > 0) & (values <= 1))
         limit = "in (0, 1]"

@@ -191,7 +191,7 @@ BAD_FILES = [
         parquet_bytes(pa.table({"prompt": ["a", "b"], "temperature": [0.5, float("inf")]})),
         {},
         422,
-        "row 1: temperature is inf; it must be a finite number >= 0",
+        "row 1: temperature is inf; it must be between 0 and 2",
         {"row": 1},
     ),
     (

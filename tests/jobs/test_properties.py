@@ -213,8 +213,8 @@ def test_any_table_and_params_give_a_4xx_or_one_result_per_row(
     if response.status_code != 201:
         assert 400 <= response.status_code < 500, response.text
         body = response.json()
-        message = body["error"]["message"] if "error" in body else str(body["detail"])
-        assert message.strip()
+        error = body["error"]  # one shape for every 4xx
+        assert error["message"].strip() and error["type"] and error["code"], body
         assert tenant_jobs(ctx) == jobs_before
         assert set((ctx.blobs.root / "jobs").glob("*")) == dirs_before
         return

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
+IN_CHUNK = 1000  # values per `IN (...)`: SQLite and Postgres both take this many bound parameters
 
 
 def migrations_dir() -> Path:
@@ -36,6 +42,31 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def insert_ignoring_duplicates(
+    session: Session,
+    model: type,
+    rows: Sequence[dict[str, Any]],
+    *,
+    unique: Sequence[str],
+    commit: bool = True,
+) -> int:
+    """INSERT the rows, skipping any whose `unique` columns match a row already stored (the first copy
+    stays), on Postgres and SQLite alike; commits unless commit=False. Returns the rows sent."""
+    if not rows:
+        return 0
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    session.execute(insert(model).on_conflict_do_nothing(index_elements=list(unique)), list(rows))
+    if commit:
+        session.commit()
+    return len(rows)
+
+
+def chunked(values: Sequence[T], size: int = IN_CHUNK) -> Iterator[list[T]]:
+    """`values` in lists of at most `size`, for `IN (...)` queries over many values."""
+    for start in range(0, len(values), size):
+        yield list(values[start : start + size])
 
 
 def alembic_config(url: str):

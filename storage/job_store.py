@@ -8,12 +8,20 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobEvent, ResultRow, Shard, as_utc, utcnow
+from storage.result_store import finish_reason_counts
 from storage.shard_store import unfinished_shards
-from storage.status import FINAL_JOB_STATUSES, FinishReason, JobStatus, allowed_sources
+from storage.status import (
+    ACTIVE_JOB_STATUSES,
+    COMPLETED_FINISH_REASONS,
+    FINAL_JOB_STATUSES,
+    FinishReason,
+    JobStatus,
+    allowed_sources,
+)
 
 
 def new_job_id() -> str:
@@ -51,8 +59,12 @@ def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[in
     session.add_all(
         Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
     )
-    moved = _move(
-        session, job_id, to=JobStatus.QUEUED, extra={"num_rows": num_rows, "num_shards": len(shards)}
+    moved = move(
+        session,
+        job_id,
+        to=JobStatus.QUEUED,
+        extra={"num_rows": num_rows, "num_shards": len(shards)},
+        commit=False,
     )
     if not moved:
         session.rollback()
@@ -91,14 +103,18 @@ def list_jobs(
     return rows[:limit], len(rows) > limit
 
 
-def _move(
+def move(
     session: Session,
     job_id: str,
     *,
     to: JobStatus,
     only_from: Iterable[JobStatus] | None = None,
     extra: dict[str, Any] | None = None,
+    commit: bool = True,
 ) -> bool:
+    """Move the job to `to` if its status is one the lifecycle (JOB_TRANSITIONS) allows that move
+    from, or one of `only_from` (a subset of those) when given; commits unless commit=False. True for
+    the one caller that moved it."""
     sources = _sources(to, only_from)
     now = utcnow()
     values: dict[str, Any] = {"status": to}
@@ -110,10 +126,12 @@ def _move(
     result = session.execute(
         update(Job).where(Job.id == job_id, Job.status.in_(sorted(sources))).values(**values)
     )
-    if result.rowcount != 1:
-        return False
-    session.add(JobEvent(job_id=job_id, status=to, at=now))
-    return True
+    moved = result.rowcount == 1
+    if moved:
+        session.add(JobEvent(job_id=job_id, status=to, at=now))
+    if commit:
+        session.commit()
+    return moved
 
 
 def _sources(to: JobStatus, only_from: Iterable[JobStatus] | None) -> frozenset[JobStatus]:
@@ -127,22 +145,6 @@ def _sources(to: JobStatus, only_from: Iterable[JobStatus] | None) -> frozenset[
     if not allowed or not sources <= allowed:
         raise ValueError(f"illegal job move to {to}: allowed only from {sorted(allowed)}")
     return sources
-
-
-def move(
-    session: Session,
-    job_id: str,
-    *,
-    to: JobStatus,
-    only_from: Iterable[JobStatus] | None = None,
-    extra: dict[str, Any] | None = None,
-) -> bool:
-    """Move the job to `to` if its status is one the lifecycle (JOB_TRANSITIONS) allows that move
-    from, or one of `only_from` (a subset of those) when given; commits. True for the one caller
-    that moved it."""
-    moved = _move(session, job_id, to=to, only_from=only_from, extra=extra)
-    session.commit()
-    return moved
 
 
 def mark_finalizing(session: Session, job_id: str) -> bool:
@@ -168,15 +170,10 @@ def events(session: Session, job_id: str) -> list[JobEvent]:
 
 
 def request_counts(session: Session, job_id: str, total: int) -> dict[str, int]:
-    rows = session.execute(
-        select(ResultRow.finish_reason, func.count())
-        .where(ResultRow.job_id == job_id)
-        .group_by(ResultRow.finish_reason)
-    ).all()
-    by_reason = dict(rows)
-    failed = by_reason.get(FinishReason.ERROR, 0)
-    completed = by_reason.get(FinishReason.STOP, 0) + by_reason.get(FinishReason.LENGTH, 0)
-    return {"total": total, "completed": completed, "failed": failed}
+    """The job's rows: total, completed (COMPLETED_FINISH_REASONS) and failed so far."""
+    by_reason = finish_reason_counts(session, job_id=job_id)
+    completed = sum(by_reason.get(reason, 0) for reason in COMPLETED_FINISH_REASONS)
+    return {"total": total, "completed": completed, "failed": by_reason.get(FinishReason.ERROR, 0)}
 
 
 def set_metrics(session: Session, job_id: str, metrics: dict[str, Any]) -> None:
@@ -188,3 +185,24 @@ def seconds_between(start: datetime | None, end: datetime | None) -> float:
     if start is None or end is None:
         return 0.0
     return max(0.0, (as_utc(end) - as_utc(start)).total_seconds())
+
+
+def active_jobs(session: Session, *, created_before: datetime) -> list[Job]:
+    """Jobs whose shards may still need a message (ACTIVE_JOB_STATUSES) or that are finalizing."""
+    statuses = [*ACTIVE_JOB_STATUSES, JobStatus.FINALIZING]
+    return list(session.scalars(select(Job).where(Job.status.in_(statuses), Job.created_at < created_before)))
+
+
+def validating_jobs(session: Session, *, created_before: datetime) -> list[tuple[str, str]]:
+    """(job id, input name) of the jobs still validating that were created before `created_before`."""
+    query = select(Job.id, Job.input_name).where(
+        Job.status == JobStatus.VALIDATING, Job.created_at < created_before
+    )
+    return [(job_id, input_name) for job_id, input_name in session.execute(query)]
+
+
+def jobs_by_status(*, engine: Engine) -> dict[str, tuple[int, int]]:
+    """{status: (jobs, rows)} over every job (one connection, no session: a metrics scrape)."""
+    query = select(Job.status, func.count(), func.coalesce(func.sum(Job.num_rows), 0)).group_by(Job.status)
+    with engine.connect() as connection:
+        return {status: (count, rows) for status, count, rows in connection.execute(query)}

@@ -6,10 +6,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import Row, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from storage.db import chunked, insert_ignoring_duplicates
 from storage.models import ResultRow
+from storage.status import COMPLETED_FINISH_REASONS
 
 RESULT_COLUMNS = (
     "row_index",
@@ -25,15 +26,9 @@ RESULT_COLUMNS = (
 def insert_results(session: Session, rows: Sequence[dict[str, Any]], *, commit: bool = True) -> int:
     """Insert rows, skipping any (job_id, row_index) already stored; commits unless commit=False (the
     caller adds to the transaction first). Returns rows sent."""
-    if not rows:
-        return 0
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(ResultRow).on_conflict_do_nothing(index_elements=["job_id", "row_index"])
-    session.execute(statement, [_storable(row) for row in rows])
-    if commit:
-        session.commit()
-    return len(rows)
+    return insert_ignoring_duplicates(
+        session, ResultRow, [_storable(row) for row in rows], unique=("job_id", "row_index"), commit=commit
+    )
 
 
 def _storable(row: dict[str, Any]) -> dict[str, Any]:
@@ -47,8 +42,7 @@ def _storable(row: dict[str, Any]) -> dict[str, Any]:
 
 def stored_row_indices(session: Session, job_id: str, row_indices: Sequence[int]) -> set[int]:
     found: set[int] = set()
-    for start in range(0, len(row_indices), 1000):
-        chunk = list(row_indices[start : start + 1000])
+    for chunk in chunked(row_indices):
         found.update(
             session.scalars(
                 select(ResultRow.row_index).where(ResultRow.job_id == job_id, ResultRow.row_index.in_(chunk))
@@ -84,3 +78,35 @@ def token_sums(session: Session, job_id: str) -> tuple[int, int, int]:
         ).where(ResultRow.job_id == job_id)
     ).one()
     return int(count), int(prompt), int(output)
+
+
+def finish_reason_counts(session: Session, *, job_id: str) -> dict[str, int]:
+    """{finish_reason: rows stored with it} for the job."""
+    return dict(
+        session.execute(
+            select(ResultRow.finish_reason, func.count())
+            .where(ResultRow.job_id == job_id)
+            .group_by(ResultRow.finish_reason)
+        ).all()
+    )
+
+
+def results_between(session: Session, *, job_id: str, start: int, stop: int) -> dict[int, Row]:
+    """{row_index: stored row (RESULT_COLUMNS)} for the rows in [start, stop)."""
+    columns = [getattr(ResultRow, name) for name in RESULT_COLUMNS]
+    query = select(*columns).where(
+        ResultRow.job_id == job_id, ResultRow.row_index >= start, ResultRow.row_index < stop
+    )
+    return {row.row_index: row for row in session.execute(query)}
+
+
+def completed_token_lengths(session: Session, *, job_id: str, batch_rows: int) -> Iterator[Sequence[Row]]:
+    """(prompt_tokens, output_tokens) of the job's completed rows in row order, `batch_rows` at a time
+    (streamed: memory stays bounded)."""
+    rows = session.execute(
+        select(ResultRow.prompt_tokens, ResultRow.output_tokens)
+        .where(ResultRow.job_id == job_id, ResultRow.finish_reason.in_(COMPLETED_FINISH_REASONS))
+        .order_by(ResultRow.row_index)
+        .execution_options(yield_per=batch_rows)
+    )
+    yield from rows.partitions()

@@ -4,7 +4,7 @@ redelivery, two workers) finds the lease held and backs off; a lapsed lease can 
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -29,10 +29,7 @@ def claim_shard(session: Session, job_id: str, shard_index: int, owner: str, lea
         .where(
             Shard.job_id == job_id,
             Shard.shard_index == shard_index,
-            or_(
-                Shard.status == ShardStatus.PENDING,
-                (Shard.status == ShardStatus.RUNNING) & (or_(Shard.lease_until < now, Shard.owner == owner)),
-            ),
+            _free(now, owner=owner),
         )
         .values(
             status=ShardStatus.RUNNING,
@@ -103,6 +100,20 @@ def release_shard(
     )
     session.commit()
     return result.rowcount == 1
+
+
+def _free(now: datetime, *, owner: str | None = None):
+    """Nobody runs the shard: pending, or running under a lease that has lapsed (or that `owner`
+    itself holds: its own message redelivered)."""
+    lapsed = Shard.lease_until < now
+    if owner is not None:
+        lapsed = or_(lapsed, Shard.owner == owner)
+    return or_(Shard.status == ShardStatus.PENDING, (Shard.status == ShardStatus.RUNNING) & lapsed)
+
+
+def idle_shards(session: Session, *, job_id: str, now: datetime) -> list[int]:
+    """Shards of the job nobody is running: pending, or running under a lease that has lapsed."""
+    return list(session.scalars(select(Shard.shard_index).where(Shard.job_id == job_id, _free(now))))
 
 
 def _held_by(job_id: str, shard_index: int, owner: str) -> tuple:

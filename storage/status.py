@@ -72,3 +72,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     ERROR = "error"
     CANCELLED = "cancelled"
+
+
+# A row the model answered: it stopped, or reached max_tokens. The one definition of "completed".
+COMPLETED_FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value)

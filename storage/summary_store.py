@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import distinct, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from storage.db import chunked, insert_ignoring_duplicates
 from storage.models import ResultRow, SummaryPart
-from storage.status import FinishReason
+from storage.status import COMPLETED_FINISH_REASONS
 
 
 @dataclass(frozen=True)
@@ -28,17 +28,9 @@ PartKey = tuple[int, int]  # (level, part_index)
 def insert_parts(session: Session, rows: Sequence[dict[str, Any]], *, commit: bool = True) -> int:
     """Insert parts, keeping the first one stored for each (job, row, level, part); commits unless
     commit=False (the caller adds to the transaction first)."""
-    if not rows:
-        return 0
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(SummaryPart).on_conflict_do_nothing(
-        index_elements=["job_id", "row_index", "level", "part_index"]
+    return insert_ignoring_duplicates(
+        session, SummaryPart, rows, unique=("job_id", "row_index", "level", "part_index"), commit=commit
     )
-    session.execute(statement, list(rows))
-    if commit:
-        session.commit()
-    return len(rows)
 
 
 def parts_of(
@@ -46,8 +38,7 @@ def parts_of(
 ) -> dict[int, dict[PartKey, StoredPart]]:
     """{row_index: {(level, part_index): part}} for the given documents."""
     found: dict[int, dict[PartKey, StoredPart]] = {}
-    for start in range(0, len(row_indices), 1000):
-        chunk = list(row_indices[start : start + 1000])
+    for chunk in chunked(row_indices):
         rows = session.execute(
             select(
                 SummaryPart.row_index,
@@ -103,7 +94,7 @@ def summary_counts(session: Session, job_id: str) -> SummaryCounts:
         .where(
             ResultRow.job_id == job_id,
             ResultRow.row_index.in_(split_rows),
-            ResultRow.finish_reason.in_([FinishReason.STOP.value, FinishReason.LENGTH.value]),
+            ResultRow.finish_reason.in_(COMPLETED_FINISH_REASONS),
         )
     )
     return SummaryCounts(int(split), int(windows), int(intermediate) + int(final_reduces or 0))

@@ -11,9 +11,8 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 
-from storage.models import Job
+from storage.job_store import jobs_by_status
 from storage.status import JobStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -33,19 +32,13 @@ class JobsCollector(Collector):
             yield up
             return
         try:
-            with engine.connect() as connection:
-                rows = connection.execute(
-                    select(Job.status, func.count(), func.coalesce(func.sum(Job.num_rows), 0)).group_by(
-                        Job.status
-                    )
-                ).all()
+            by_status = jobs_by_status(engine=engine)
         except Exception:  # the database is down: say so rather than fail the whole scrape
             up.add_metric([], 0)
             yield up
             return
         up.add_metric([], 1)
         yield up
-        by_status = {status: (count, rows_) for status, count, rows_ in rows}
         jobs = GaugeMetricFamily("freight_jobs", "Jobs by status", labels=["status"])
         for status in JobStatus:
             jobs.add_metric([status.value], by_status.get(status.value, (0, 0))[0])

@@ -12,21 +12,19 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs.api.svg_plots import bar_chart_svg, histogram_svg, line_chart_svg
 from storage import job_store
-from storage.models import Job, ResultRow, as_utc
+from storage.models import Job, as_utc
+from storage.result_store import completed_token_lengths
 from storage.shard_store import shards_of
-from storage.status import FinishReason
 
 if TYPE_CHECKING:
     from jobs.domain.service import JobService
 
 MAX_PLOT_POINTS = 600  # over all shards, per plot
 LENGTHS_BATCH_ROWS = 50_000  # result rows fetched at a time for the histograms
-DONE_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
 @dataclass
@@ -48,13 +46,10 @@ class ReportData:
 
 
 def collect(session: Session, job: Job, job_object: dict[str, Any], metrics: dict[str, Any]) -> ReportData:
-    rows = session.execute(
-        select(ResultRow.prompt_tokens, ResultRow.output_tokens)
-        .where(ResultRow.job_id == job.id, ResultRow.finish_reason.in_(DONE_REASONS))
-        .order_by(ResultRow.row_index)
-        .execution_options(yield_per=LENGTHS_BATCH_ROWS)
-    )
-    chunks = [np.array(chunk, dtype=np.int32).reshape(-1, 2) for chunk in rows.partitions()]
+    chunks = [
+        np.array(chunk, dtype=np.int32).reshape(-1, 2)
+        for chunk in completed_token_lengths(session, job_id=job.id, batch_rows=LENGTHS_BATCH_ROWS)
+    ]
     lengths = np.concatenate(chunks) if chunks else np.zeros((0, 2), dtype=np.int32)  # [rows, 2]
     return ReportData(
         job=job_object,

@@ -7,16 +7,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from jobs.domain.settings import Settings
 from storage.attempt_store import attempt_totals, attempted_shards
-from storage.job_store import seconds_between
-from storage.models import Job, ResultRow, Shard, utcnow
+from storage.job_store import request_counts, seconds_between
+from storage.models import Job, Shard, utcnow
 from storage.result_store import token_sums
 from storage.shard_store import shards_of
-from storage.status import FinishReason
 from storage.summary_store import summary_counts
 
 # Engine counters that add up across attempts (each attempt records its own difference).
@@ -27,13 +25,7 @@ def compute_metrics(
     session: Session, job: Job, settings: Settings, finished_at: datetime | None = None
 ) -> dict[str, Any]:
     stored_rows, prompt_tokens, output_tokens = token_sums(session, job.id)
-    by_reason = dict(
-        session.execute(
-            select(ResultRow.finish_reason, func.count())
-            .where(ResultRow.job_id == job.id)
-            .group_by(ResultRow.finish_reason)
-        ).all()
-    )
+    counts = request_counts(session, job.id, job.num_rows)
     shards = shards_of(session, job.id)
     totals, peak_kv = _engine_totals(session, job.id, shards)
 
@@ -42,11 +34,10 @@ def compute_metrics(
     device_seconds = totals["busy_seconds"]
     total_tokens = prompt_tokens + output_tokens
     cost = device_seconds / 3600.0 * settings.device_hour_usd
-    completed = by_reason.get(FinishReason.STOP, 0) + by_reason.get(FinishReason.LENGTH, 0)
     return {
         "rows": job.num_rows,
-        "rows_completed": completed,
-        "rows_failed": by_reason.get(FinishReason.ERROR, 0),
+        "rows_completed": counts["completed"],
+        "rows_failed": counts["failed"],
         "rows_cancelled": job.num_rows - stored_rows if job.cancel_requested else 0,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,

@@ -17,15 +17,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
 from jobs.domain.settings import Settings
 from storage import job_store
 from storage.blobs import BlobStore
-from storage.models import Job, Shard, utcnow
-from storage.status import ACTIVE_JOB_STATUSES, JobStatus, ShardStatus
+from storage.models import Job, utcnow
+from storage.shard_store import idle_shards
+from storage.status import JobStatus
 
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
@@ -103,7 +103,7 @@ class Recovery:
                 if job.status == JobStatus.FINALIZING or job_store.mark_finalizing(session, job.id):
                     expected[(TASK_FINALIZE_JOB, job.id, None)] = job.model
                     continue
-                for index in self._idle_shards(session, job.id, now):
+                for index in idle_shards(session, job_id=job.id, now=now):
                     expected[(TASK_RUN_SHARD, job.id, index)] = job.model
         if not expected:
             self.suspects = set()
@@ -126,33 +126,10 @@ class Recovery:
     def _active_jobs(self, session: Session, now) -> list[Job]:
         # A job younger than one sweep may still be getting its messages from the API that made it.
         settled = now - timedelta(seconds=self.settings.recovery_interval_seconds)
-        return list(
-            session.scalars(
-                select(Job).where(
-                    Job.status.in_([*ACTIVE_JOB_STATUSES, JobStatus.FINALIZING]), Job.created_at < settled
-                )
-            )
-        )
-
-    def _idle_shards(self, session: Session, job_id: str, now) -> list[int]:
-        """Shards nobody is running: pending, or running under a lease that has lapsed."""
-        return list(
-            session.scalars(
-                select(Shard.shard_index).where(
-                    Shard.job_id == job_id,
-                    or_(
-                        Shard.status == ShardStatus.PENDING,
-                        (Shard.status == ShardStatus.RUNNING) & (Shard.lease_until < now),
-                    ),
-                )
-            )
-        )
+        return job_store.active_jobs(session, created_before=settled)
 
     def _abandoned_validations(self, session: Session, now) -> list[str]:
-        cutoff = now - ABANDONED_VALIDATION
-        jobs = session.execute(
-            select(Job.id, Job.input_name).where(Job.status == JobStatus.VALIDATING, Job.created_at < cutoff)
-        ).all()
+        jobs = job_store.validating_jobs(session, created_before=now - ABANDONED_VALIDATION)
         return [job_id for job_id, name in jobs if self.blobs.exists(name)]  # this deployment's only
 
     def _work_in_broker(self, models: Iterable[str]) -> set[WorkKey]:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from storage.models import Job, ResultRow
-from storage.result_store import RESULT_COLUMNS, iter_results
+from storage.models import Job
+from storage.result_store import RESULT_COLUMNS, iter_results, results_between
 from storage.status import FinishReason
 
 RESULTS_SCHEMA = pa.schema(
@@ -45,7 +44,6 @@ def write_final_results(session: Session, job: Job, input_path: Path, out_path: 
     has_custom_id = "custom_id" in parquet.schema_arrow.names
     missing_reason = FinishReason.CANCELLED if job.cancel_requested else FinishReason.ERROR
     missing_error = "cancelled before this row ran" if job.cancel_requested else "no result was recorded"
-    columns = [getattr(ResultRow, name) for name in RESULT_COLUMNS]
     start = 0
     with pq.ParquetWriter(out_path, RESULTS_SCHEMA) as writer:
         for batch in parquet.iter_batches(
@@ -53,14 +51,7 @@ def write_final_results(session: Session, job: Job, input_path: Path, out_path: 
         ):
             stop = start + batch.num_rows
             custom_ids = batch.column("custom_id").to_pylist() if has_custom_id else None
-            stored = {
-                row.row_index: row
-                for row in session.execute(
-                    select(*columns).where(
-                        ResultRow.job_id == job.id, ResultRow.row_index >= start, ResultRow.row_index < stop
-                    )
-                )
-            }
+            stored = results_between(session, job_id=job.id, start=start, stop=stop)
             out: dict[str, list] = {name: [] for name in RESULT_COLUMNS}
             for offset in range(batch.num_rows):
                 index = start + offset

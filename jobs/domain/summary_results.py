@@ -13,11 +13,10 @@ from sqlalchemy.orm import Session
 
 from jobs.domain.summarize_spec import SummarizeSpec, output_id_column
 from storage.models import Job
-from storage.status import FinishReason
+from storage.status import COMPLETED_FINISH_REASONS
 from storage.summary_store import window_counts
 
 BATCH_ROWS = 8192
-DONE_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
 class ColumnCursor:
@@ -60,7 +59,7 @@ def add_summary_columns(session: Session, job: Job, input_path: Path, results_pa
                 counts = window_counts(session, job.id, start, stop)
                 reasons = batch.column("finish_reason").to_pylist()
                 windows = [
-                    counts.get(start + offset, 1 if reason in DONE_REASONS else 0)
+                    counts.get(start + offset, 1 if reason in COMPLETED_FINISH_REASONS else 0)
                     for offset, reason in enumerate(reasons)
                 ]
                 columns = dict(zip(batch.schema.names, batch.columns, strict=True))

@@ -215,6 +215,16 @@ def prepack_onednn(weight: torch.Tensor) -> OnednnWeight:
     return _prepack(*quantize_weight_per_channel(weight, weight_qmax()))
 
 
+def prepack_codes(w_q: torch.Tensor, w_scale: torch.Tensor) -> OnednnWeight:
+    """Per-channel codes w_q [N, K] int8 (|codes| <= weight_qmax()) and w_scale [N] -> prepacked for oneDNN."""
+    if w_q.dtype != torch.int8 or w_q.dim() != 2 or tuple(w_scale.shape) != (w_q.shape[0],):
+        raise ValueError(f"w_q must be [N, K] int8 with w_scale [N], got {tuple(w_q.shape)} {w_q.dtype}, "
+                         f"{tuple(w_scale.shape)}")  # fmt: skip
+    if w_q.numel() and int(w_q.abs().max()) > weight_qmax():
+        raise ValueError(f"weight codes exceed {weight_qmax()}, the largest oneDNN multiplies exactly here")
+    return _prepack(w_q.contiguous(), w_scale)
+
+
 def padded_rows(m: int) -> int:
     """m rounded up to a row count oneDNN has likely seen: m itself below 16, then 8 steps per power of two.
 

@@ -4,6 +4,7 @@ the engine, Postgres, finalize. Then the same job through `freight run` with the
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +141,11 @@ def test_freight_run_gives_the_same_greedy_outputs_as_the_service(
 
     embedded_out = tmp_path / "embedded.parquet"
     metrics_path = tmp_path / "metrics.json"
+    # the same measured plan (dtype, INT8 GEMM, kernels) as the worker's, as two processes sharing one
+    # FREIGHT_HOME would have: measured apart on a busy machine, near-tied schemes may come out either way
+    calibration = Path(service_env.env["FREIGHT_HOME"]) / "calibration"
+    if calibration.is_dir():  # not written when the machine was busy during the worker's calibration
+        shutil.copytree(calibration, tmp_path / "embedded-home" / "calibration")
     env = service_env.subprocess_env(
         FREIGHT_HOME=str(tmp_path / "embedded-home"), FREIGHT_DATA_DIR=str(tmp_path / "embedded-data")
     )

@@ -43,6 +43,9 @@ FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "freight-bf16": MappingProxyType({"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "int8"}),
         "freight-fp32-int8": MappingProxyType({"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"}),
         "freight-bf16-int8": MappingProxyType({"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "int8"}),
+        # the defaults without the small-batch INT8 kernel: what it gains where batches are small
+        "freight-no-small-batch": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
+                                                    "small_batch_rows": 0}),
     }
 )  # fmt: skip
 SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM)

@@ -23,7 +23,7 @@ from kernels import (
 )
 from worker.engine.attention import KVCache
 from worker.engine.config import ModelConfig
-from worker.engine.timing import best_seconds, write_json_atomically
+from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
 
 DECODE_SEQS, DECODE_CONTEXT = 32, 256  # a decode batch's shape
 PREFILL_SEQS, PREFILL_LEN = 4, 128  # a prefill step's shape
@@ -79,9 +79,9 @@ def choose_attention(
     if cache_file is not None and cache_file.is_file():
         seconds = json.loads(cache_file.read_text()).get("seconds")
     if seconds is None:
-        seconds = measure_attention(model, dtype, kv_dtype)
-        if cache_file is not None:
-            write_json_atomically(cache_file, {"seconds": seconds})
+        with ContentionMeter() as meter:
+            seconds = measure_attention(model, dtype, kv_dtype)
+        store_measurement(cache_file, {"seconds": seconds}, meter)
     return AttentionChoice(
         compiled_decode=seconds["decode/compiled"] <= seconds["decode/torch"],
         compiled_prefill=seconds["prefill/compiled"] <= seconds["prefill/torch"],

@@ -17,6 +17,8 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: Literal["auto", "int8"] | None = "auto"
     int8_backend: Literal["auto", "int_mm", "onednn"] = "auto"  # CPU INT8 GEMM; "auto": measured
+    # CPU INT8: products of at most this many rows run our weight-streaming kernel; "auto": measured, 0: never
+    small_batch_rows: int | Literal["auto"] = "auto"
     kv_cache_dtype: str = "int8"  # "int8" or "auto" (= the compute dtype)
     smoothing: bool = True  # INT8: SmoothQuant-style smoothing, calibrated at load (smoothing.py)
     block_size: int = 16
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'auto' or 'int8', got {self.quantization!r}")
         if self.int8_backend not in ("auto", "int_mm", "onednn"):
             raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
+        if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
+            raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
         if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
         if self.scheduling not in ("length", "fifo"):

@@ -7,13 +7,12 @@ import time
 import torch
 
 from worker.engine.attention import KVCache
-from worker.engine.attention_plan import choose_attention
 from worker.engine.block_manager import BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import LlamaModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
-from worker.engine.path_plan import attention_cache_file, plan_for
+from worker.engine.path_plan import plan_cpu_kernels, plan_for
 from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -49,16 +48,14 @@ class LLMEngine:
         self.dtype = DTYPES[scheme.dtype]
         self.kv_dtype = config.kv_torch_dtype(self.dtype)
         if self.device.type == "cpu":
-            self.plan.attention = choose_attention(
-                self.model_config, self.dtype, self.kv_dtype,
-                attention_cache_file(calibration, self.model_config, config.max_num_seqs, self.dtype, self.kv_dtype),
-            )
+            plan_cpu_kernels(self.plan, config, self.model_config, calibration)
         tensors = checkpoint.tensors
         if scheme.quantization == "int8" and config.smoothing:
             tensors = self._smoothed(tensors)
         self.model = LlamaModel(
             self.model_config, tensors, self.dtype, scheme.quantization, self.device,
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
+            small_batch_rows=self._small_batch_rows(),
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()
@@ -77,6 +74,11 @@ class LLMEngine:
         self._next_request_id = 0
         self._rejected: list[Sequence] = []
         self._fallback_generator = torch.Generator(device=self.device).manual_seed(0)
+
+    def _small_batch_rows(self) -> int:
+        if self.config.small_batch_rows != "auto":
+            return self.config.small_batch_rows
+        return self.plan.small_batch.rows if self.plan.small_batch else 0
 
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""

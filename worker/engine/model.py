@@ -44,13 +44,14 @@ class LlamaModel:
         device: torch.device,
         max_positions: int,
         int8_backend: Int8Backend | None = None,
+        small_batch_rows: int = 0,  # INT8 products of at most this many rows take the small-batch kernel
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
-            return make_linear(weight, bias, dtype, quantization, out_dtype, int8_backend)
+            return make_linear(weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows)
 
         def get(name: str) -> torch.Tensor:
             if name not in tensors:

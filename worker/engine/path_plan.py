@@ -32,11 +32,12 @@ from kernels import cpu_decode_attention, cpu_int8_linear, cpu_prefill_attention
 from kernels._cpu_build import CSRC
 from kernels.platform import active_tier, cpu_info
 from worker.engine.attention import AttentionMetadata, KVCache
-from worker.engine.attention_plan import AttentionChoice
+from worker.engine.attention_plan import AttentionChoice, choose_attention
 from worker.engine.config import DTYPES, EngineConfig, ModelConfig
 from worker.engine.model import LlamaModel
 from worker.engine.quantization import Int8Backend
-from worker.engine.timing import best_seconds, write_json_atomically
+from worker.engine.small_batch_plan import SmallBatchChoice, choose_small_batch
+from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ PREFILL_TOKENS = 256  # rows of the prefill-sized products
 DECODE_TOKENS = 64  # rows of the decode-sized products (capped by max_num_seqs)
 SCREEN_RATIO = 4.0  # a scheme this much slower than the fastest on the screen is not measured further
 SLOW_RATIO = 1.2  # an explicit choice this much slower than auto's gets a warning
+# Schemes measured within this ratio of the fastest are a tie: two measurements of one scheme on a busy
+# 2-core machine differ by as much, and a choice that flips with noise would make a job's outputs depend on
+# the load at start-up. Ties go to INT8 weights (less memory, so more KV blocks), then float32 (exact).
+TIE_RATIO = 1.1
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ExecutionPlan:
     seconds_per_token: dict[str, float] = field(default_factory=dict)  # scheme name -> model-level cost
     best: str | None = None  # the fastest scheme measured
     attention: AttentionChoice | None = None  # CPU: compiled kernel or torch, per attention op (measured)
+    small_batch: SmallBatchChoice | None = None  # CPU INT8: up to which rows our own product runs (measured)
 
     def paths(self) -> dict[str, str]:
         """The path each op takes, by name (freight doctor, bench JSON, job metrics)."""
@@ -79,6 +85,8 @@ class ExecutionPlan:
             gemm = {"int_mm": "W8A8 torch._int_mm (s8 x s8)", "onednn": "W8A8 oneDNN qlinear (u8 x s8)",
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
+            if self.small_batch is not None and self.small_batch.rows:
+                gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier})"
         else:
             gemm, quantize = f"{s.dtype} GEMM", "none"
         if self.tier == "cuda":
@@ -109,9 +117,10 @@ class ExecutionPlan:
 
     def to_json(self) -> dict[str, object]:
         attention = None if self.attention is None else self.attention.seconds
+        small = None if self.small_batch is None else {"rows": self.small_batch.rows, "seconds": self.small_batch.seconds}
         return {"tier": self.tier, "scheme": self.scheme.name, "source": self.source, "best": self.best,
                 "seconds_per_token": self.seconds_per_token, "attention_seconds": attention,
-                "paths": self.paths()}  # fmt: skip
+                "small_batch": small, "paths": self.paths()}  # fmt: skip
 
 
 def candidate_schemes(device: torch.device) -> list[Scheme]:
@@ -149,7 +158,7 @@ def plan_for(config: EngineConfig, model: ModelConfig, device: torch.device, cac
     if timings is None:  # one explicit scheme and no measurement yet: nothing to choose or warn about
         return ExecutionPlan(tier=tier, scheme=allowed[0], head_dim=model.head_dim, source="fixed")
     best = min(timings, key=timings.__getitem__)
-    chosen = min(allowed, key=lambda s: timings.get(s.name, float("inf")))
+    chosen = pick_scheme(allowed, timings)
     ratio = timings.get(chosen.name, float("inf")) / timings[best]
     if ratio > SLOW_RATIO:
         log.warning(
@@ -158,6 +167,28 @@ def plan_for(config: EngineConfig, model: ModelConfig, device: torch.device, cac
         )
     return ExecutionPlan(tier=tier, scheme=chosen, head_dim=model.head_dim, source=source,
                          seconds_per_token=timings, best=best)  # fmt: skip
+
+
+def pick_scheme(allowed: list[Scheme], timings: dict[str, float]) -> Scheme:
+    """The fastest allowed scheme, ties (within TIE_RATIO) broken by a fixed preference."""
+    fastest = min(timings.get(s.name, float("inf")) for s in allowed)
+    tied = [s for s in allowed if timings.get(s.name, float("inf")) <= fastest * TIE_RATIO]
+    return min(tied, key=lambda s: (s.quantization is None, s.dtype != "float32", timings[s.name]))
+
+
+def plan_cpu_kernels(plan: ExecutionPlan, config: EngineConfig, model: ModelConfig, cache_dir: Path | None) -> None:
+    """Complete a CPU plan with the measured (or cached) kernel choices: compiled or torch attention, and
+    up to which batch size the INT8 products run the small-batch kernel."""
+    dtype = DTYPES[plan.scheme.dtype]
+    kv_dtype = config.kv_torch_dtype(dtype)
+    plan.attention = choose_attention(
+        model, dtype, kv_dtype, attention_cache_file(cache_dir, model, config.max_num_seqs, dtype, kv_dtype)
+    )
+    if plan.scheme.quantization == "int8" and config.small_batch_rows == "auto":
+        plan.small_batch = choose_small_batch(
+            model, plan.scheme.dtype, plan.scheme.int8_backend or "int_mm",
+            small_batch_cache_file(cache_dir, model, config.max_num_seqs, plan.scheme),
+        )  # fmt: skip
 
 
 def _honours(scheme: Scheme, config: EngineConfig) -> bool:
@@ -200,6 +231,12 @@ def attention_cache_file(
     return cache_dir / f"{cache_key(model, max_num_seqs)}-attention-{names[0]}-{names[1]}.json"
 
 
+def small_batch_cache_file(cache_dir: Path | None, model: ModelConfig, max_num_seqs: int, scheme: Scheme) -> Path | None:
+    if cache_dir is None:
+        return None
+    return cache_dir / f"{cache_key(model, max_num_seqs)}-small-batch-{scheme.name.replace('/', '-')}.json"
+
+
 def _decode_rows(max_num_seqs: int) -> int:
     return max(1, min(DECODE_TOKENS, max_num_seqs))
 
@@ -235,12 +272,12 @@ def _measure_and_store(
     model: ModelConfig, candidates: list[Scheme], config: EngineConfig, path: Path | None
 ) -> dict[str, float]:
     started = time.perf_counter()
-    timings = measure_schemes(model, candidates, decode_rows=_decode_rows(config.max_num_seqs),
-                              kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
+    with ContentionMeter() as meter:
+        timings = measure_schemes(model, candidates, decode_rows=_decode_rows(config.max_num_seqs),
+                                  kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
     log.info("calibrated %d schemes in %.1fs: %s", len(candidates), time.perf_counter() - started, timings)
-    if path is not None:
-        write_json_atomically(path, {"seconds_per_token": timings, "cpu": cpu_info().model_name, "tier": active_tier(),
-                                 "torch": torch.__version__, "threads": torch.get_num_threads()})  # fmt: skip
+    store_measurement(path, {"seconds_per_token": timings, "cpu": cpu_info().model_name, "tier": active_tier(),
+                             "torch": torch.__version__, "threads": torch.get_num_threads()}, meter)  # fmt: skip
     return timings
 
 

@@ -2,7 +2,9 @@
 
 INT8 backends: "int_mm" runs torch._int_mm (s8 x s8; fast with AVX-512 VNNI, and the CUDA path), "onednn"
 runs oneDNN's u8 x s8 qlinear (fast on AVX2, where torch._int_mm is 50x slower than float32); path_plan.py
-measures which one this machine runs faster.
+measures which one this machine runs faster. On CPU, batches of at most `small_batch_rows` rows take our
+own weight-streaming product instead (kernels/cpu_int8_small_batch.py; the threshold is measured by
+small_batch_plan.py): same weight codes, exact integer products, so the outputs do not change with it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_linear
+from kernels import cpu_int8_linear, cpu_int8_small_batch
 from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weight_per_channel
 
 Int8Backend = Literal["int_mm", "onednn", "triton"]
@@ -39,19 +41,42 @@ class FloatLinear:
         return F.silu(gate) * up
 
 
+class _SmallBatch:
+    """The small-batch path of an INT8 linear on CPU: rows up to `rows` go through our own product on the
+    same weight codes [out, in] as the layer's GEMM (0: never)."""
+
+    def __init__(self, codes: torch.Tensor, w_scale: torch.Tensor, rows: int) -> None:
+        usable = codes.device.type == "cpu" and cpu_int8_small_batch.available()
+        self.rows = rows if usable else 0
+        self.codes = codes if self.rows else None  # [out, in] int8, contiguous
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.rows
+
+
 class Int8Linear:
     """Per-output-channel symmetric INT8 weights, quantized once at load time."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        out_dtype: torch.dtype | None,
+        small_batch_rows: int = 0,
     ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype  # None: the input's dtype
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)  # the same codes: no extra memory
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_small_batch(
+                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual
+            )
         return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,26 +84,46 @@ class Int8Linear:
         if self.bias is not None:
             gate, up = self(x).chunk(2, dim=-1)
             return F.silu(gate) * up
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(x, self.small.codes, self.w_scale, self.out_dtype)
         return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
 
 
 class OnednnInt8Linear:
-    """W8A8 through oneDNN's u8 x s8 GEMM (weights prepacked once; per-token scales in our epilogue)."""
+    """W8A8 through oneDNN's u8 x s8 GEMM (weights prepacked once; per-token scales in our epilogue).
+
+    With a small-batch path the plain codes are kept beside oneDNN's packed copy (the packing is opaque),
+    which costs one more byte per weight: the plan enables it only where it measured faster."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        out_dtype: torch.dtype | None,
+        small_batch_rows: int = 0,
     ) -> None:
-        self.weight = cpu_int8_linear.prepack_onednn(weight.float())
+        w_q, w_scale = quantize_weight_per_channel(weight.float(), cpu_int8_linear.weight_qmax())
+        self.weight = cpu_int8_linear.prepack_codes(w_q, w_scale)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
+        self.small = _SmallBatch(w_q, w_scale, small_batch_rows)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_small_batch(
+                x, self.small.codes, self.weight.w_scale, self.bias, self.out_dtype, residual
+            )
         return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             gate, up = self(x).chunk(2, dim=-1)
             return F.silu(gate) * up
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
+                x, self.small.codes, self.weight.w_scale, self.out_dtype
+            )
         return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype)
 
 
@@ -92,10 +137,12 @@ def make_linear(
     quantization: str | None,
     out_dtype: torch.dtype | None = None,
     int8_backend: Int8Backend | None = None,
+    small_batch_rows: int = 0,
 ) -> Linear:
-    """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch."""
+    """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch.
+    small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU)."""
     if quantization == "int8":
         if int8_backend == "onednn" and weight.device.type == "cpu":
-            return OnednnInt8Linear(weight, bias, dtype, out_dtype)
-        return Int8Linear(weight, bias, dtype, out_dtype)
+            return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
+        return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
     return FloatLinear(weight, bias, dtype, out_dtype)

@@ -1,12 +1,17 @@
-"""Timing and cache-file helpers shared by the load-time measurements (path_plan.py, attention_plan.py)."""
+"""Timing and cache-file helpers shared by the load-time measurements (path_plan.py, attention_plan.py,
+small_batch_plan.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
 
 MAX_REPEATS = 3
 REPEAT_SECONDS = 0.15  # stop repeating a timing once this much time went into it
@@ -28,6 +33,58 @@ def best_seconds(fn: Callable[[], object], limit: float = REPEAT_SECONDS) -> flo
         if spent + first > limit:
             break
     return best
+
+
+# Other processes using more than this share of the machine's CPU time while a measurement ran make it
+# unfit to keep: on 2 cores one busy neighbour slows an OpenMP product by 2-30x (its threads wait on each
+# other), and a cached plan measured so would steer every later start (seen: float32 measured 13x faster
+# than the INT8 scheme that runs 1.8x faster on a quiet machine).
+CONTENDED_SHARE = 0.2
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds every process on the machine has used (Linux /proc/stat; None elsewhere)."""
+    try:
+        first_line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first_line[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class ContentionMeter:
+    """Measures, around a block, the share of the machine's CPU capacity that other processes (or the
+    hypervisor, as steal time) used: `with ContentionMeter() as meter: ...; meter.contended`."""
+
+    others_share: float = 0.0
+
+    def __enter__(self) -> ContentionMeter:
+        self._start = (_machine_busy_seconds(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        busy, own, wall = _machine_busy_seconds(), time.process_time(), time.perf_counter()
+        busy0, own0, wall0 = self._start
+        if busy is None or busy0 is None or wall <= wall0:
+            return
+        others = max(0.0, (busy - busy0) - (own - own0))
+        self.others_share = others / ((wall - wall0) * (os.cpu_count() or 1))
+
+    @property
+    def contended(self) -> bool:
+        return self.others_share > CONTENDED_SHARE
+
+
+def store_measurement(path: Path | None, payload: dict, meter: ContentionMeter) -> None:
+    """Cache a measurement, unless the machine was busy with others while it ran: then it serves this
+    start only, and the next start measures again."""
+    if path is None:
+        return
+    if meter.contended:
+        log.warning("other processes used %.0f%% of the CPUs during calibration: not caching %s; the next "
+                    "start measures again", 100 * meter.others_share, path.name)  # fmt: skip
+        return
+    write_json_atomically(path, payload)
 
 
 def write_json_atomically(path: Path, payload: dict) -> None:

@@ -1,0 +1,100 @@
+"""Up to which batch size the INT8 projections run our small-batch product instead of the library GEMM.
+
+A decode step of a few sequences (the tail of a shard, a job of a few long documents) is bound by
+reading the weights once; the library GEMMs are not built for that (oneDNN's qlinear loses to float32 up to
+16 rows on the 2-core AVX2 VM), our kernel is (kernels/cpu_int8_small_batch.py). Where the crossover lies
+depends on the machine and the shapes, so it is measured at load on the model's layer shapes, with
+enough layers cycled through (POOL_BYTES of weights) that they come from memory as in a real step, and
+cached beside the scheme measurement (path_plan.py). Both paths multiply the same codes exactly, so the
+threshold changes speed, never outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_int8_linear, cpu_int8_small_batch, int8_linear, quantize_weight_per_channel
+from worker.engine.config import DTYPES, ModelConfig
+from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
+
+ROWS = (1, 4, 16, 32, 64, 128)  # batch sizes compared
+POOL_BYTES = 64 << 20  # int8 weights cycled through per timing: more than a server CPU's L3
+
+
+@dataclass(frozen=True)
+class SmallBatchChoice:
+    rows: int  # products of at most this many rows take the small-batch kernel (0: never)
+    seconds: dict[str, float]  # "<rows>/small", "<rows>/library": one pass over the pool's projections
+
+
+def _projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """[N, K] of one layer's four products: fused qkv, o, fused gate/up, down."""
+    h, i, d = model.hidden_size, model.intermediate_size, model.head_dim
+    return [((model.num_heads + 2 * model.num_kv_heads) * d, h), (h, model.num_heads * d), (2 * i, h), (h, i)]
+
+
+@torch.inference_mode()
+def measure_small_batch(model: ModelConfig, dtype: str, int8_backend: str) -> dict[str, float]:
+    """Seconds of one pass over the pool's products at each of ROWS, small-batch kernel vs library GEMM."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = _projection_shapes(model)
+    layer_bytes = sum(n * k for n, k in shapes)
+    layers = max(1, min(model.num_layers, -(-POOL_BYTES // layer_bytes)))
+    qmax = cpu_int8_linear.weight_qmax() if int8_backend == "onednn" else 127
+    weights = []  # (codes [N, K] int8, scale [N] float32, library product)
+    for _ in range(layers):
+        for n, k in shapes:
+            codes, scale = quantize_weight_per_channel(torch.randn(n, k, generator=gen), qmax)
+            weights.append((codes, scale, _library_product(codes, scale, int8_backend)))
+    seconds: dict[str, float] = {}
+    for rows in ROWS:
+        inputs = {k: torch.randn(rows, k, generator=gen).to(DTYPES[dtype]) for _, k in shapes}
+
+        def small(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for codes, scale, _ in weights:
+                cpu_int8_small_batch.int8_linear_small_batch(inputs[codes.shape[1]], codes, scale)
+
+        def library(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for codes, _, product in weights:
+                product(inputs[codes.shape[1]])
+
+        seconds[f"{rows}/small"] = best_seconds(small)
+        seconds[f"{rows}/library"] = best_seconds(library)
+    return seconds
+
+
+def _library_product(codes: torch.Tensor, scale: torch.Tensor, int8_backend: str) -> Callable[[torch.Tensor], object]:
+    if int8_backend == "onednn":
+        packed = cpu_int8_linear.prepack_codes(codes, scale)
+        return lambda x: cpu_int8_linear.int8_linear_onednn(x, packed)
+    w_q_t = codes.t()
+    return lambda x: int8_linear(x, w_q_t, scale)
+
+
+def rows_from(seconds: dict[str, float]) -> int:
+    """The largest measured batch size at which the small-batch kernel won, as it did at every smaller one."""
+    rows = 0
+    for m in ROWS:
+        if seconds[f"{m}/small"] > seconds[f"{m}/library"]:
+            break
+        rows = m
+    return rows
+
+
+def choose_small_batch(model: ModelConfig, dtype: str, int8_backend: str, cache_file: Path | None) -> SmallBatchChoice:
+    """Measured (or cached) on CPU when the kernel is built; never otherwise."""
+    if not cpu_int8_small_batch.available():
+        return SmallBatchChoice(rows=0, seconds={})
+    seconds = None
+    if cache_file is not None and cache_file.is_file():
+        seconds = json.loads(cache_file.read_text()).get("seconds")
+    if seconds is None or any(f"{m}/small" not in seconds for m in ROWS):
+        with ContentionMeter() as meter:
+            seconds = measure_small_batch(model, dtype, int8_backend)
+        store_measurement(cache_file, {"seconds": seconds}, meter)
+    return SmallBatchChoice(rows=rows_from(seconds), seconds=seconds)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.domain.schemas import JobParams
+from jobs.domain.schemas import JobParams, job_params
 from jobs.domain.service import LOCAL_TENANT, JobService
 from jobs.domain.settings import Settings
 from storage.blobs import BlobStore, results_name
@@ -37,7 +37,7 @@ class RunProgress:
 def run_embedded(
     input_path: Path,
     output_path: Path,
-    params: JobParams,
+    params: JobParams | Mapping[str, Any],
     settings: Settings | None = None,
     on_progress: Callable[[RunProgress], None] | None = None,
     on_status: Callable[[str], None] | None = None,
@@ -47,6 +47,8 @@ def run_embedded(
     from worker.retry import RetryPolicy, ShardRetry
     from worker.shard_runner import WorkerContext, ready_to_finalize, run_shard
 
+    if not isinstance(params, JobParams):
+        params = job_params(params)  # a params dict: the API's check and error (InputError)
     settings = settings or Settings()
     url = settings.embedded_database_url
     upgrade(url)

@@ -17,7 +17,6 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import ValidationError
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
@@ -31,7 +30,7 @@ from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
 from jobs.domain.recovery import start_recovery
-from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams
+from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
 from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
@@ -269,14 +268,7 @@ def _parse_params(raw: str | None) -> JobParams:
         raise InputError(f"params is not valid JSON: {exc}", field="params") from exc
     if not isinstance(payload, dict):
         raise InputError("params must be a JSON object", field="params")
-    try:
-        return JobParams.model_validate(payload)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(clip(part, 64) for part in error['loc']) or 'params'}: {clip(error['msg'], 200)}"
-            for error in exc.errors()[:5]
-        )
-        raise InputError(f"invalid params: {problems}", field="params") from exc
+    return job_params(payload)
 
 
 def _add_routes(app: FastAPI, settings: Settings) -> None:

@@ -8,36 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from jobs.cli import admin, local, remote, summarize
+from jobs.cli.params import add_job_param_args
 from jobs.domain.errors import InputError
-
-
-def add_job_param_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("job parameters")
-    group.add_argument("--params", help="job parameters as a JSON object (flags below override it)")
-    group.add_argument("--model", help="model alias or folder (default: FREIGHT_DEFAULT_MODEL)")
-    group.add_argument("--max-tokens", type=int)
-    group.add_argument("--temperature", type=float)
-    group.add_argument("--top-p", type=float)
-    group.add_argument("--top-k", type=int)
-    group.add_argument("--seed", type=int)
-    group.add_argument("--stop", action="append", help="stop string (repeatable)")
-    group.add_argument(
-        "--template", help='prompt from columns, e.g. "Summarize the following document.\\n\\n{text}"'
-    )
-    group.add_argument("--prompt-column")
-    group.add_argument(
-        "--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template"
-    )
-    group.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="job metadata (repeatable)")
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default: auto")
-    group.add_argument("--quantization", choices=["auto", "int8", "none"], help="default: auto")
-    group.add_argument("--kv-cache-dtype", choices=["int8", "auto", "bfloat16", "float16", "float32"])
-    summarize_group = parser.add_argument_group("summarize task (--task summarize; see `freight summarize`)")
-    summarize_group.add_argument("--task", choices=["generate", "summarize"])
-    summarize_group.add_argument("--column", help="the document column (default: text)")
-    summarize_group.add_argument("--style", help='how the summary reads (default: "one paragraph")')
-    summarize_group.add_argument("--long-documents", choices=["map_reduce", "truncate"])
-    summarize_group.add_argument("--id-column", help="input column kept in the output")
 
 
 def build_parser() -> argparse.ArgumentParser:

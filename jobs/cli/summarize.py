@@ -4,24 +4,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from pydantic import ValidationError
-
-from jobs.domain.errors import InputError
-from jobs.domain.schemas import JobParams
-
-SUMMARIZE_FLAGS = (
-    "model",
-    "column",
-    "style",
-    "template",
-    "max_tokens",
-    "long_documents",
-    "id_column",
-    "temperature",
-    "seed",
-)
+from jobs.cli.params import add_field_flag, add_field_flags, flag_values
+from jobs.domain.schemas import JobParams, job_params
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -30,42 +15,24 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     summarize.add_argument("input", help="input Parquet file with one document per row")
     summarize.add_argument("-o", "--output", required=True, help="results Parquet file (adds `summary`)")
-    summarize.add_argument("--column", help="the document column (default: text)")
+    add_field_flag(summarize, "column")
     how = summarize.add_mutually_exclusive_group()
-    how.add_argument("--style", help='how the summary reads (default: "one paragraph")')
-    how.add_argument(
-        "--template", help='your own instruction with a {text} placeholder, e.g. "Summarize:\\n\\n{text}"'
+    add_field_flag(how, "style")
+    add_field_flag(
+        how, "template", help='your own instruction with a {text} placeholder, e.g. "Summarize:\\n\\n{text}"'
     )
-    summarize.add_argument("--max-tokens", type=int, help="summary length limit in tokens (default: 256)")
-    summarize.add_argument(
-        "--long-documents",
-        choices=["map_reduce", "truncate"],
-        help="documents longer than the context: summarize windows then combine (default), or keep the start",
+    add_field_flags(
+        summarize,
+        ("max_tokens", "long_documents", "id_column", "model", "temperature", "seed"),
+        help={"max_tokens": "summary length limit in tokens"},
     )
-    summarize.add_argument(
-        "--id-column", help="input column kept in the output (default: custom_id, id, doc_id)"
-    )
-    summarize.add_argument("--model", help="model alias or folder (default: FREIGHT_DEFAULT_MODEL)")
-    summarize.add_argument("--temperature", type=float)
-    summarize.add_argument("--seed", type=int)
     summarize.add_argument("--metrics-json", help="also write the job's metrics here")
     summarize.add_argument("--no-progress", action="store_true")
     summarize.set_defaults(handler=cmd_summarize)
 
 
 def summarize_params(args: argparse.Namespace) -> JobParams:
-    payload: dict[str, Any] = {"task": "summarize"}
-    for name in SUMMARIZE_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            payload[name] = value
-    if "template" in payload:
-        # A shell argument cannot easily hold a newline: accept \n and \t escapes.
-        payload["template"] = payload["template"].replace("\\n", "\n").replace("\\t", "\t")
-    try:
-        return JobParams.model_validate(payload)
-    except ValidationError as exc:
-        raise InputError(f"invalid summarize parameters: {exc}") from exc
+    return job_params({"task": "summarize", **flag_values(args)})
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:

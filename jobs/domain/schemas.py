@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from jobs.domain.errors import InputError, clip
 from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
 from storage.status import JobStatus
 
@@ -33,7 +35,7 @@ class JobParams(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="stop string")
     truncate: bool = Field(
         False,
         description="cut prompts longer than the context (keeping their start and the chat template) "
@@ -102,6 +104,20 @@ class JobParams(BaseModel):
             if "\x00" in key or "\x00" in text:
                 raise ValueError(f"metadata[{key!r}] contains a NUL character, which cannot be stored")
         return value
+
+
+def job_params(payload: Mapping[str, Any]) -> JobParams:
+    """`payload` (the `params` JSON object, or the CLI's flags) as JobParams, or an InputError (field
+    `params`) whose message names each field at fault: the one check behind the API, the CLI and the
+    embedded runner."""
+    try:
+        return JobParams.model_validate(dict(payload))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(clip(part, 64) for part in error['loc']) or 'params'}: {clip(error['msg'], 200)}"
+            for error in exc.errors()[:5]
+        )
+        raise InputError(f"invalid params: {problems}", field="params") from exc
 
 
 class ResolvedParams(BaseModel):

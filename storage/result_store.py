@@ -10,22 +10,16 @@ from sqlalchemy.orm import Session
 
 from storage.db import chunked, insert_ignoring_duplicates
 from storage.models import ResultRow
+from storage.result_record import RESULT_COLUMNS, ResultRecord
 from storage.status import COMPLETED_FINISH_REASONS
 
-RESULT_COLUMNS = (
-    "row_index",
-    "custom_id",
-    "output_text",
-    "prompt_tokens",
-    "output_tokens",
-    "finish_reason",
-    "error",
-)
+__all__ = ["RESULT_COLUMNS", "ResultRecord", "insert_results"]
 
 
 def insert_results(session: Session, rows: Sequence[dict[str, Any]], *, commit: bool = True) -> int:
-    """Insert rows, skipping any (job_id, row_index) already stored; commits unless commit=False (the
-    caller adds to the transaction first). Returns rows sent."""
+    """Insert rows (ResultRecord.stored: a record plus job_id and shard_index), skipping any
+    (job_id, row_index) already stored; commits unless commit=False (the caller adds to the transaction
+    first). Returns rows sent."""
     return insert_ignoring_duplicates(
         session, ResultRow, [_storable(row) for row in rows], unique=("job_id", "row_index"), commit=commit
     )
@@ -91,13 +85,13 @@ def finish_reason_counts(session: Session, *, job_id: str) -> dict[str, int]:
     )
 
 
-def results_between(session: Session, *, job_id: str, start: int, stop: int) -> dict[int, Row]:
-    """{row_index: stored row (RESULT_COLUMNS)} for the rows in [start, stop)."""
+def results_between(session: Session, *, job_id: str, start: int, stop: int) -> dict[int, ResultRecord]:
+    """{row_index: stored record} for the rows in [start, stop)."""
     columns = [getattr(ResultRow, name) for name in RESULT_COLUMNS]
     query = select(*columns).where(
         ResultRow.job_id == job_id, ResultRow.row_index >= start, ResultRow.row_index < stop
     )
-    return {row.row_index: row for row in session.execute(query)}
+    return {row.row_index: ResultRecord(*row) for row in session.execute(query)}
 
 
 def completed_token_lengths(session: Session, *, job_id: str, batch_rows: int) -> Iterator[Sequence[Row]]:

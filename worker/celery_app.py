@@ -15,7 +15,7 @@ from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
 from worker.llm_pool import LLMPool
 from worker.prometheus import WorkerMetrics
-from worker.shard_runner import WorkerContext
+from worker.shard.context import WorkerContext
 from worker.tasks import register_tasks
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from storage import job_store
 from storage.blobs import metrics_name, results_name
 from storage.models import utcnow
 from storage.status import JobStatus
-from worker.shard_runner import WorkerContext
+from worker.shard.context import WorkerContext
 
 log = logging.getLogger(__name__)
 

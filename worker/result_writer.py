@@ -1,5 +1,6 @@
-"""Buffers a shard's finished rows and writes them to the database in chunks; between engine steps it
-also renews the shard's lease, notices cancellation, and reports progress."""
+"""Buffers a shard's finished rows (ResultRecord) and writes them to the database in chunks, each chunk
+with the attempt's engine cost in the same transaction, and reports progress. The lease and the cancel
+check are worker.shard.lease.LeaseWatcher's."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.domain.settings import Settings
-from storage import job_store
+from storage.result_record import ResultRecord
 from storage.result_store import insert_results
-from storage.shard_store import renew_lease
-from storage.status import JobStatus
 
 if TYPE_CHECKING:  # the meter reads the engine's stats; this module stays free of the engine import
     from worker.attempt_meter import AttemptMeter
@@ -43,7 +42,43 @@ ProgressCallback = Callable[[ShardProgress], None]
 PROGRESS_INTERVAL_S = 1.0
 
 
-class ResultWriter:
+class ChunkWriter:
+    """Buffers items and stores them `chunk_rows` at a time. Each chunk commits together with what the
+    attempt's engine has spent so far: a worker killed after the commit leaves both, one killed before
+    leaves neither (its next attempt pays for the rows)."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], chunk_rows: int, attempt: AttemptMeter | None = None
+    ) -> None:
+        self.sessions = sessions
+        self.chunk_rows = chunk_rows
+        self.attempt = attempt
+        self.pending: list[Any] = []
+
+    def _insert(self, session: Session, items: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _stored(self, items: list[Any]) -> None:
+        """Called after each chunk committed."""
+
+    def _append(self, item: Any) -> None:
+        self.pending.append(item)
+        if len(self.pending) >= self.chunk_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        with self.sessions() as session:
+            self._insert(session, self.pending)
+            if self.attempt is not None:
+                self.attempt.record(session, commit=False)
+            session.commit()
+        stored, self.pending = self.pending, []
+        self._stored(stored)
+
+
+class ResultWriter(ChunkWriter):
     def __init__(
         self,
         settings: Settings,
@@ -51,49 +86,38 @@ class ResultWriter:
         *,
         job_id: str,
         shard_index: int,
-        owner: str,
         rows_total: int,
         rows_done: int,
         on_progress: ProgressCallback | None,
         engine_tokens: Callable[[], int] | None = None,
         attempt: AttemptMeter | None = None,
     ) -> None:
+        super().__init__(sessions, settings.result_chunk_rows, attempt)
         self.settings = settings
-        self.sessions = sessions
         self.job_id = job_id
         self.shard_index = shard_index
-        self.owner = owner
         self.rows_total = rows_total
         self.rows_done = rows_done
         self.on_progress = on_progress
         self.engine_tokens = engine_tokens  # tokens the engine has run since the shard started
-        self.attempt = attempt  # this attempt's engine cost, stored at each flush and heartbeat
-        self.pending: list[dict[str, Any]] = []
         self.tokens_done = 0
         self.started = time.monotonic()
-        self.last_flush = self.last_heartbeat = self.last_cancel_check = self.last_report = self.started
-        self.cancelled = False
-        self.lease_lost = False
+        self.last_flush = self.last_report = self.started
 
-    def add(self, row: dict[str, Any]) -> None:
-        self.pending.append({"job_id": self.job_id, "shard_index": self.shard_index, **row})
-        if len(self.pending) >= self.settings.result_chunk_rows:
-            self.flush()
+    def add(self, record: ResultRecord) -> None:
+        self._append(record)
+
+    def _insert(self, session: Session, items: list[ResultRecord]) -> None:
+        rows = [record.stored(job_id=self.job_id, shard_index=self.shard_index) for record in items]
+        insert_results(session, rows, commit=False)
 
     def flush(self) -> None:
         self.last_flush = time.monotonic()
-        if not self.pending:
-            return
-        with self.sessions() as session:
-            # The rows and what the engine has spent so far commit together: a worker killed after
-            # this leaves both, one killed before leaves neither (its next attempt pays for the rows).
-            insert_results(session, self.pending, commit=False)
-            if self.attempt is not None:
-                self.attempt.record(session, commit=False)
-            session.commit()
-        self.rows_done += len(self.pending)
-        self.tokens_done += sum(row["prompt_tokens"] + row["output_tokens"] for row in self.pending)
-        self.pending.clear()
+        super().flush()
+
+    def _stored(self, items: list[ResultRecord]) -> None:
+        self.rows_done += len(items)
+        self.tokens_done += sum(record.tokens for record in items)
         self.report()
 
     def report(self) -> None:
@@ -114,29 +138,11 @@ class ResultWriter:
             )
         )
 
-    def should_stop(self) -> bool:
-        """Polled by the engine between steps: True ends the shard early (cancelled or lease lost)."""
+    def tick(self) -> None:
+        """Polled between engine steps: store rows waiting longer than result_flush_seconds, else report
+        progress once a second."""
         now = time.monotonic()
-        settings = self.settings
-        if self.pending and now - self.last_flush >= settings.result_flush_seconds:
+        if self.pending and now - self.last_flush >= self.settings.result_flush_seconds:
             self.flush()
         elif now - self.last_report >= PROGRESS_INTERVAL_S:
             self.report()
-        if now - self.last_heartbeat >= settings.shard_lease_seconds / 4:
-            self.last_heartbeat = now
-            with self.sessions() as session:
-                if not renew_lease(
-                    session, self.job_id, self.shard_index, self.owner, settings.shard_lease_seconds
-                ):
-                    self.lease_lost = True
-                    return True
-                if self.attempt is not None:
-                    # A long request stores no row for a while: the heartbeat keeps its cost current.
-                    self.attempt.record(session)
-        if now - self.last_cancel_check >= settings.cancel_poll_seconds:
-            self.last_cancel_check = now
-            with self.sessions() as session:
-                if job_store.job_status(session, self.job_id) == JobStatus.CANCELLING:
-                    self.cancelled = True
-                    return True
-        return False

@@ -16,7 +16,8 @@ from worker.llm_pool import LLMPool
 from worker.prometheus import WorkerMetrics
 from worker.result_writer import ShardProgress
 from worker.retry import RetryPolicy, ShardRetry
-from worker.shard_runner import WorkerContext, run_shard
+from worker.shard.context import WorkerContext
+from worker.shard.executor import run_shard
 
 log = logging.getLogger(__name__)
 

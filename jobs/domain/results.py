@@ -10,20 +10,12 @@ import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from storage.models import Job
-from storage.result_store import RESULT_COLUMNS, iter_results, results_between
+from storage.result_record import RESULT_ARROW_TYPES, RESULT_COLUMNS, ResultRecord
+from storage.result_store import iter_results, results_between
 from storage.status import FinishReason
 
-RESULTS_SCHEMA = pa.schema(
-    [
-        ("row_index", pa.int64()),
-        ("custom_id", pa.string()),
-        ("output_text", pa.string()),
-        ("prompt_tokens", pa.int32()),
-        ("output_tokens", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("error", pa.string()),
-    ]
-)
+# One column per ResultRecord field, in its order, with the field's Arrow type.
+RESULTS_SCHEMA = pa.schema([(name, getattr(pa, RESULT_ARROW_TYPES[name])()) for name in RESULT_COLUMNS])
 INPUT_BATCH_ROWS = 8192
 
 
@@ -55,18 +47,12 @@ def write_final_results(session: Session, job: Job, input_path: Path, out_path: 
             out: dict[str, list] = {name: [] for name in RESULT_COLUMNS}
             for offset in range(batch.num_rows):
                 index = start + offset
-                row = stored.get(index)
-                if row is not None:
-                    for name in RESULT_COLUMNS:
-                        out[name].append(getattr(row, name))
-                    continue
-                out["row_index"].append(index)
-                out["custom_id"].append(custom_ids[offset] if custom_ids else str(index))
-                out["output_text"].append("")
-                out["prompt_tokens"].append(0)
-                out["output_tokens"].append(0)
-                out["finish_reason"].append(missing_reason.value)
-                out["error"].append(missing_error)
+                record = stored.get(index)
+                if record is None:
+                    custom_id = custom_ids[offset] if custom_ids else str(index)
+                    record = ResultRecord.failed(index, custom_id, missing_error, missing_reason)
+                for name in RESULT_COLUMNS:
+                    out[name].append(getattr(record, name))
             writer.write_table(pa.table(out, schema=RESULTS_SCHEMA))
             start = stop
     return start

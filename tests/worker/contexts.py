@@ -10,7 +10,7 @@ import pytest
 from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
-from worker.shard_runner import WorkerContext
+from worker.shard.context import WorkerContext
 
 
 @contextmanager

@@ -1,0 +1,120 @@
+"""One attempt at a claimed shard, and how it ends: finished (done, cancelled, failed), handed back
+(the worker is shutting down) or failed and retried (the retry policy: worker/retry.py). Holds what
+every ending needs (context, meter, job, shard, owner) so it is passed around once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from storage import job_store
+from storage.result_record import ResultRecord
+from storage.result_store import insert_results, stored_row_indices
+from storage.shard_store import finish_shard, get_shard, release_shard
+from storage.status import AttemptOutcome, ShardStatus
+from worker.attempt_meter import AttemptMeter
+from worker.inputs import read_rows
+from worker.retry import ShardRetry
+from worker.shard.context import ShardHandedBack, WorkerContext
+from worker.shard.requests import custom_id
+
+log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 500
+
+
+@dataclass
+class Attempt:
+    ctx: WorkerContext
+    meter: AttemptMeter
+    job_id: str
+    shard_index: int
+    owner: str
+
+    def finish(
+        self, session: Session, status: ShardStatus, stats: dict[str, Any] | None, error: str | None = None
+    ) -> None:
+        """Finish the shard and end the attempt in one transaction, so a finished shard's cost is all
+        stored by the time the job is finalized. When another worker took the shard over first, the
+        attempt ends as lease_lost instead (that worker's attempt finishes the shard)."""
+        self.meter.record(session, AttemptOutcome(status), commit=False)
+        if not finish_shard(  # commits
+            session, self.job_id, self.shard_index, self.owner, status, stats, error=error
+        ):
+            self.meter.record(session, AttemptOutcome.LEASE_LOST)
+
+    def lease_lost(self) -> None:
+        log.warning("lost the lease on %s shard %d; another worker has it", self.job_id, self.shard_index)
+        with self.ctx.sessions() as session:
+            self.meter.record(session, AttemptOutcome.LEASE_LOST)
+
+    def hand_back(self, rows_written: int) -> None:
+        """Release the shard unless every row finished anyway; the caller requeues its task."""
+        job_id, shard_index = self.job_id, self.shard_index
+        with self.ctx.sessions() as session:
+            remaining = set(get_shard(session, job_id, shard_index).row_indices)
+            if len(stored_row_indices(session, job_id, sorted(remaining))) == len(remaining):
+                return  # the shard finished before the stop took effect: finish it normally
+            released = release_shard(
+                session,
+                job_id,
+                shard_index,
+                self.owner,
+                "handed back: worker shutting down",
+                count_attempt=False,
+            )
+            self.meter.record(session, AttemptOutcome.HANDED_BACK if released else AttemptOutcome.LEASE_LOST)
+        log.warning(
+            "worker shutting down: handed back %s shard %d after %d rows", job_id, shard_index, rows_written
+        )
+        raise ShardHandedBack(rows_written)
+
+    def failed(self, exc: Exception) -> str:
+        """Hand the shard back for another try, or after shard_max_attempts make its remaining rows
+        error rows so the job can still finish. Returns the shard's final status, or raises ShardRetry."""
+        job_id, shard_index, ctx = self.job_id, self.shard_index, self.ctx
+        message = f"{exc.__class__.__name__}: {exc}"[:MAX_ERROR_CHARS]  # a database error quotes its SQL
+        log.exception("shard %d of %s failed", shard_index, job_id)
+        # A dropped database connection (restart, pg_terminate_backend) is not the shard's fault: the
+        # retry resumes from the stored rows without using up one of the shard's attempts.
+        disconnected = isinstance(exc, DBAPIError) and exc.connection_invalidated
+        with ctx.sessions() as session:
+            shard = get_shard(session, job_id, shard_index)
+            if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
+                released = release_shard(
+                    session, job_id, shard_index, self.owner, message, count_attempt=not disconnected
+                )
+                # What the failed attempt ran is part of the job's cost (the retry reruns its unstored rows).
+                self.meter.record(session, AttemptOutcome.RETRY if released else AttemptOutcome.LEASE_LOST)
+                raise ShardRetry(message) from exc
+            stored = stored_row_indices(session, job_id, shard.row_indices)
+            missing = [index for index in shard.row_indices if index not in stored]
+            custom_ids = self._custom_ids_or_indices(missing)
+            problem = f"the shard failed {shard.attempts} times: {message}"
+            insert_results(
+                session,
+                [
+                    ResultRecord.failed(index, custom_ids[index], problem).stored(
+                        job_id=job_id, shard_index=shard_index
+                    )
+                    for index in missing
+                ],
+            )
+            self.finish(session, ShardStatus.FAILED, None, error=message)
+        return ShardStatus.FAILED
+
+    def _custom_ids_or_indices(self, rows: list[int]) -> dict[int, str]:
+        """The rows' custom_ids from the input, or their row indices when the input cannot be read."""
+        try:
+            with self.ctx.sessions() as session:
+                path = self.ctx.blobs.path(job_store.get_job(session, self.job_id).input_name)
+            if "custom_id" in pq.read_schema(path).names:
+                found = read_rows(path, rows, ["custom_id"])
+                return {index: custom_id(index, record) for index, record in found.items()}
+        except Exception:  # the input itself may be what failed; fall back to the row index
+            log.exception("could not read custom_ids of %s", self.job_id)
+        return {index: str(index) for index in rows}

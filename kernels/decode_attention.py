@@ -21,7 +21,8 @@ from kernels._checks import (
     check_paged_cache,
     check_same_device,
 )
-from kernels._triton import jit, next_power_of_2, require_triton_device, tl, upcast_dot, use_triton
+from kernels._dispatch import select_backend
+from kernels._triton import jit, next_power_of_2, require_triton_device, tl, upcast_dot
 
 # Elements (rows x head_dim) of K gathered per chunk of sequences on CPU: chunks whose gathered K and V
 # stay in cache beat one batch-wide gather (measured on the 2-core CPU; see scripts/kernel_bench.py --cpu).
@@ -285,12 +286,13 @@ def paged_decode_attention(
     block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 >= 1, the current token's K/V
     already in the cache. Caches as in write_kv_cache. compiled=False keeps the CPU path on torch ops.
     """
-    if use_triton(query):
+    _check_decode_args(
+        query, key_cache, value_cache, block_tables, context_lens, k_scale_cache, v_scale_cache
+    )
+    backend = select_backend(query, compiled_supports=cpu_decode_attention.available, compiled=compiled)
+    if backend == "triton":
         attend = paged_decode_attention_triton
-    elif compiled and query.device.type == "cpu" and cpu_decode_attention.available():
-        _check_decode_args(
-            query, key_cache, value_cache, block_tables, context_lens, k_scale_cache, v_scale_cache
-        )
+    elif backend == "compiled":
         attend = cpu_decode_attention.paged_decode_attention_cpu
     else:
         attend = paged_decode_attention_torch

@@ -18,7 +18,8 @@ import torch
 
 from kernels import cpu_int8_linear
 from kernels._checks import FLOAT_DTYPES, INT8_SCALE_EPS, check_float_tensor, check_same_device
-from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl, use_triton
+from kernels._dispatch import select_backend
+from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl
 
 
 @jit
@@ -134,16 +135,13 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return x_q, x_scale
 
 
-def _compiled_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and cpu_int8_linear.available()
-
-
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32), symmetric per row: absmax / 127."""
-    if use_triton(x):
+    _check_rows(x)
+    backend = select_backend(x, compiled_supports=cpu_int8_linear.available)
+    if backend == "triton":
         return quantize_per_token_triton(x)
-    if _compiled_cpu(x):
-        _check_rows(x)
+    if backend == "compiled":
         return cpu_int8_linear.quantize_per_token_cpu(x)
     return quantize_per_token_torch(x)
 
@@ -249,13 +247,13 @@ def int8_linear(
 
     residual [M, N], when given, is added to y (fused into the output pass on CPU).
     """
-    if _compiled_cpu(x) and not use_triton(x):
-        out_dtype = _check_linear_args(x, w_q_t, w_scale, bias, out_dtype)
-        _check_residual(residual, (x.shape[0], w_q_t.shape[1]))
+    out_dtype = _check_linear_args(x, w_q_t, w_scale, bias, out_dtype)
+    _check_residual(residual, (x.shape[0], w_q_t.shape[1]))
+    backend = select_backend(x, compiled_supports=cpu_int8_linear.available)
+    if backend == "compiled":
         return cpu_int8_linear.int8_linear_cpu(x, w_q_t, w_scale, bias, out_dtype, residual)
-    linear = int8_linear_triton if use_triton(x) else int8_linear_torch
+    linear = int8_linear_triton if backend == "triton" else int8_linear_torch
     y = linear(x, w_q_t, w_scale, bias, out_dtype)
-    _check_residual(residual, tuple(y.shape))
     return y if residual is None else y.add_(residual)
 
 
@@ -272,8 +270,10 @@ def int8_linear_silu_mul(
     """
     if w_q_t.dim() != 2 or w_q_t.shape[1] % 2:
         raise ValueError(f"w_q_t must be [K, 2 * I] (gate, then up), got {tuple(w_q_t.shape)}")
-    if _compiled_cpu(x) and not use_triton(x):
-        out_dtype = _check_linear_args(x, w_q_t, w_scale, None, out_dtype)
+    out_dtype = _check_linear_args(x, w_q_t, w_scale, None, out_dtype)
+    backend = select_backend(x, compiled_supports=cpu_int8_linear.available)
+    if backend == "compiled":
         return cpu_int8_linear.int8_linear_silu_mul_cpu(x, w_q_t, w_scale, out_dtype)
-    gate, up = int8_linear(x, w_q_t, w_scale, None, out_dtype).chunk(2, dim=-1)
+    linear = int8_linear_triton if backend == "triton" else int8_linear_torch
+    gate, up = linear(x, w_q_t, w_scale, None, out_dtype).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

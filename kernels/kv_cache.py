@@ -16,7 +16,8 @@ from kernels._checks import (
     check_paged_cache,
     check_same_device,
 )
-from kernels._triton import jit, next_power_of_2, require_triton_device, tl, use_triton
+from kernels._dispatch import select_backend
+from kernels._triton import jit, next_power_of_2, require_triton_device, tl
 from kernels.int8_linear import quantize_per_token_torch
 
 
@@ -145,5 +146,7 @@ def write_kv_cache(
     key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim], the key's float dtype or int8;
     k_scale_cache/v_scale_cache: [num_blocks, block_size, num_kv_heads] float32, required iff int8.
     """
-    write = write_kv_cache_triton if use_triton(key) else write_kv_cache_torch
+    _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
+    # write_kv_cache has no compiled CPU kernel: triton or torch
+    write = write_kv_cache_triton if select_backend(key) == "triton" else write_kv_cache_torch
     write(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)

@@ -21,7 +21,8 @@ from kernels._checks import (
     check_paged_cache,
     check_same_device,
 )
-from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl, upcast_dot, use_triton
+from kernels._dispatch import select_backend
+from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl, upcast_dot
 from kernels.decode_attention import compute_dtype
 
 
@@ -287,6 +288,13 @@ def paged_prefill_attention(
     """
     args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale_cache,
             v_scale_cache)  # fmt: skip
-    if use_triton(query):
+    _check_prefill_args(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, k_scale_cache, v_scale_cache
+    )
+    backend = select_backend(
+        query, compiled_supports=lambda: cpu_prefill_attention.supports(query, key), compiled=compiled
+    )
+    if backend == "triton":
         return paged_prefill_attention_triton(*args)
-    return paged_prefill_attention_torch(*args, key=key, value=value, compiled=compiled)
+    # "compiled": the compiled kernel attends for the sequences without a cached prefix, SDPA for the rest
+    return paged_prefill_attention_torch(*args, key=key, value=value, compiled=backend == "compiled")

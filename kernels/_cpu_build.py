@@ -10,9 +10,12 @@ to their torch paths, so a machine without a toolchain still runs (slower).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import platform as _platform
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -34,6 +37,28 @@ def tier_cflags(tier: str) -> list[str]:
     return TIER_CFLAGS[tier] if _platform.machine() in ("x86_64", "AMD64") else []
 
 
+# torch's build takes a lock file beside the build and waits, without end, for it to go; a process killed
+# mid-build (a worker stopped during its first start, a test's subprocess past its timeout) leaves it
+# behind and every later start hangs. So every build of ours runs under an flock of our own, which the
+# kernel releases when its holder dies: holding it, a torch lock file can only be a dead build's.
+@contextlib.contextmanager
+def _build_lock(module_name: str) -> Iterator[None]:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(module_name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "freight-build.lock", "w") as ours:
+        fcntl.flock(ours, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build of %s that never finished", stale, module_name)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(ours, fcntl.LOCK_UN)
+
+
 def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | None:
     """The compiled module for csrc/`source` at the active ISA tier, or None when it cannot be built here.
 
@@ -46,14 +71,15 @@ def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | 
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=f"{name}_{tier}",
-            sources=[str(CSRC / source)],
-            extra_cflags=["-O3", *tier_cflags(tier), "-fopenmp", *(["-ffast-math"] if fast_math else [])],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            verbose=False,
-        )
+        with _build_lock(f"{name}_{tier}"):
+            return load(
+                name=f"{name}_{tier}",
+                sources=[str(CSRC / source)],
+                extra_cflags=["-O3", *tier_cflags(tier), "-fopenmp", *(["-ffast-math"] if fast_math else [])],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
         log.warning("CPU kernel %s (%s tier) unavailable (%s); using the torch path", name, tier, exc)
         return None

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The README's test command: lint, then the whole suite (Postgres and Redis must be up).
+# --fast: the unit tests only (no real-process service tests in tests/service, nothing marked slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 # tests share the model cache that setup.sh filled, instead of converting the model again
 export FREIGHT_TEST_MODELS_DIR="${FREIGHT_TEST_MODELS_DIR:-$(.venv/bin/python -c 'from worker.engine.loader import default_cache_dir; print(default_cache_dir())')}"
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  set -- -m "not slow" --ignore=tests/service "$@"
+fi
 .venv/bin/python -m pytest -q -ra "$@"

@@ -19,6 +19,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 from kernels.platform import tier_line
 from worker.engine.loader import pull_model
 
+# Service fixtures (a Postgres database and a Redis namespace per session, real `freight api` / `freight
+# worker` processes) for every test folder that needs them, without each conftest importing them.
+pytest_plugins = ["tests.service.fixtures"]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_ALIAS = "smollm2-135m"
 # Shape shared by the tiny models; the vocabulary and special ids are SmolLM2's.

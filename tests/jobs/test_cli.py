@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from storage.db import make_engine, make_session_factory
 from storage.keys import tenant_for_key
-from tests.jobs.service_fixtures import FREIGHT_BIN, PARKED_MODEL, ServiceEnv
+from tests.service.fixtures import FREIGHT_BIN, PARKED_MODEL, ServiceEnv
 
 
 def freight(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:

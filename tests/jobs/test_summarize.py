@@ -19,8 +19,8 @@ from jobs.domain.sample_docs import LONG_DOCUMENTS, sample_docs_table
 from jobs.domain.schemas import JobParams
 from jobs.domain.service import JobService
 from jobs.domain.settings import Settings
-from tests.jobs.browser import dump_dom, png_colors, screenshot
-from tests.jobs.service_fixtures import FREIGHT_BIN
+from tests.service.browser import dump_dom, png_colors, screenshot
+from tests.service.fixtures import FREIGHT_BIN
 from worker.embedded import run_embedded
 
 SMALL_ENGINE = {

@@ -18,7 +18,6 @@ from jobs.domain.service import JobService
 from storage.blobs import results_name
 from storage.db import upgrade
 from storage.status import JobStatus, ShardStatus
-from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
 from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool

@@ -19,8 +19,8 @@ from jobs.domain.settings import Settings
 from storage.blobs import BlobStore, results_name
 from storage.db import make_engine, make_session_factory
 from storage.shard_store import get_shard
-from tests.jobs.fault_helpers import wait_for
-from tests.jobs.service_fixtures import PG_ADMIN_URL, pg_url  # noqa: F401 - fixture
+from tests.service.fault_helpers import wait_for
+from tests.service.fixtures import PG_ADMIN_URL
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.shard_runner import ShardRetry, WorkerContext, run_shard

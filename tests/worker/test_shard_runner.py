@@ -23,7 +23,6 @@ from storage.models import Job
 from storage.result_store import insert_results
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
-from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
 from tests.worker.contexts import worker_context
 from worker.engine_stats import COUNTERS
 from worker.finalize import finalize_job

@@ -23,7 +23,6 @@ from storage.result_store import insert_results
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
 from storage.summary_store import insert_parts
-from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture
 from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool

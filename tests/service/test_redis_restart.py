@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from jobs.cli.client import FreightAPIError, FreightClient
-from tests.jobs.fault_helpers import ServiceDB, assert_one_result_per_row, staggered_table, wait_for
-from tests.jobs.service_fixtures import (
+from tests.service.fault_helpers import ServiceDB, assert_one_result_per_row, staggered_table, wait_for
+from tests.service.fixtures import (
     ServiceEnv,
     create_api_key,
     free_port,

@@ -1,7 +1,6 @@
 """Fixtures for service tests: a fresh Postgres database and an isolated Redis namespace per test
 session, service settings, and real `freight api` / `freight worker` / `freight flower` processes
-on loopback. Imported by the conftest files of tests/jobs and tests/storage (and by tests/worker
-test modules). Without Postgres or Redis the tests skip locally and fail in CI (CI=true)."""
+on loopback. Registered for the whole suite by `pytest_plugins` in tests/conftest.py. Without Postgres or Redis the tests skip locally and fail in CI (CI=true)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from jobs.cli.client import FreightAPIError, FreightClient
 from jobs.domain.sample_docs import sample_docs_table
 from storage.db import make_engine, make_session_factory
 from storage.models import SummaryPart
-from tests.jobs.service_fixtures import Process, ServiceEnv
+from tests.service.fixtures import Process, ServiceEnv
 
 pytestmark = pytest.mark.slow
 

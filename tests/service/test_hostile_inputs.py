@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 
 from jobs.cli.client import FreightAPIError, FreightClient
-from tests.jobs.service_fixtures import PARKED_MODEL, ServiceEnv, create_api_key
-from tests.jobs.test_bad_input import Leftovers, parquet_bytes, prompts, submit
+from tests.service.fixtures import PARKED_MODEL, ServiceEnv, create_api_key
+from tests.service.test_bad_input import Leftovers, parquet_bytes, prompts, submit
 
 TENANT = "hostile"
 BOUNDARY = "freight-hostile-boundary"

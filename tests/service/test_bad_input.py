@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli.client import FreightClient
-from tests.jobs.service_fixtures import PARKED_MODEL, Process, ServiceEnv, create_api_key
+from tests.service.fixtures import PARKED_MODEL, Process, ServiceEnv, create_api_key
 
 TENANT = "bad-input"
 ODD_TEXT = [

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.jobs.service_fixtures import Process
+from tests.service.fixtures import Process
 
 pytestmark = pytest.mark.slow
 JOBS = 50

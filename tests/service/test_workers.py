@@ -20,7 +20,7 @@ from storage import job_store
 from storage.db import make_engine, make_session_factory
 from storage.shard_store import shards_of
 from storage.status import JobStatus
-from tests.jobs.service_fixtures import Process, ServiceEnv, free_port, start_worker, wait_until
+from tests.service.fixtures import Process, ServiceEnv, free_port, start_worker, wait_until
 
 pytestmark = pytest.mark.slow
 

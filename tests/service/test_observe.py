@@ -20,10 +20,10 @@ from jobs.cli.client import FreightClient
 from jobs.cli.main import main as freight_main
 from jobs.cli.progress import JobProgress
 from jobs.domain.broker import TASK_RUN_SHARD
-from tests.jobs.browser import dump_dom, png_colors, screenshot
-from tests.jobs.service_fixtures import Process, ServiceEnv, free_port, wait_until
 from tests.jobs.test_summarize import check_report_in_chromium
-from tests.jobs.test_workers import ProgressEvents
+from tests.service.browser import dump_dom, png_colors, screenshot
+from tests.service.fixtures import Process, ServiceEnv, free_port, wait_until
+from tests.service.test_workers import ProgressEvents
 
 pytestmark = pytest.mark.slow
 ROWS = 16  # four shards of four rows

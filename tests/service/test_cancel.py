@@ -13,8 +13,8 @@ from celery import Celery
 
 from jobs.cli.client import FreightAPIError, FreightClient
 from jobs.domain.broker import celery_config
-from tests.jobs.fault_helpers import ServiceDB, wait_for
-from tests.jobs.service_fixtures import Process, ServiceEnv
+from tests.service.fault_helpers import ServiceDB, wait_for
+from tests.service.fixtures import Process, ServiceEnv
 
 pytestmark = pytest.mark.slow
 CANCEL_WITHIN_S = 5

@@ -14,7 +14,7 @@ import redis
 
 from jobs.cli.client import FreightAPIError, FreightClient
 from jobs.domain.broker import queue_for_model
-from tests.jobs.service_fixtures import PARKED_MODEL, ServiceEnv
+from tests.service.fixtures import PARKED_MODEL, ServiceEnv
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
@@ -104,7 +104,7 @@ def test_tenants_see_only_their_own_jobs(api_url: str, api_keys: dict[str, str])
 
 
 def test_listing_follows_the_cursor_and_filters_by_status(api_url: str, service_env: ServiceEnv) -> None:
-    from tests.jobs.service_fixtures import create_api_key
+    from tests.service.fixtures import create_api_key
 
     with FreightClient(api_url, create_api_key(service_env, "lister")) as lister:
         ids = [lister.submit(small_table(1), model=PARKED_MODEL)["id"] for _ in range(5)]

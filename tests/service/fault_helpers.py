@@ -19,7 +19,7 @@ from storage.attempt_store import attempts_of
 from storage.db import make_engine, make_session_factory
 from storage.models import ResultRow, Shard, ShardAttempt
 from storage.shard_store import shards_of
-from tests.jobs.service_fixtures import Process, ServiceEnv
+from tests.service.fixtures import Process, ServiceEnv
 
 # Output lengths within each shard of 4: the first row is stored at once, the last after seconds.
 STAGGERED_MAX_TOKENS = (40, 400, 800, 1200)

@@ -17,7 +17,7 @@ from jobs.cli.client import FreightClient
 from jobs.domain.sample_docs import SUMMARIZE_TEMPLATE, sample_docs_table
 from jobs.domain.schemas import JobMetrics
 from storage.blobs import metrics_name
-from tests.jobs.service_fixtures import FREIGHT_BIN, Process, ServiceEnv, start_worker
+from tests.service.fixtures import FREIGHT_BIN, Process, ServiceEnv, start_worker
 
 FINAL_EVENTS = ["validating", "queued", "in_progress", "finalizing", "completed"]
 

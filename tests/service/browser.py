@@ -10,7 +10,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from tests.jobs.service_fixtures import unavailable
+from tests.service.fixtures import unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS_DIR = REPO_ROOT / "artifacts"  # gitignored; CI can upload it

@@ -23,7 +23,7 @@ from jobs.cli.client import FreightClient
 from storage.db import make_engine, make_session_factory
 from storage.keys import tenant_for_key
 from storage.models import ApiKey
-from tests.jobs.service_fixtures import FREIGHT_BIN, PARKED_MODEL, Process, ServiceEnv, create_api_key
+from tests.service.fixtures import FREIGHT_BIN, PARKED_MODEL, Process, ServiceEnv, create_api_key
 
 
 def v1_routes(api_url: str) -> list[tuple[str, str]]:

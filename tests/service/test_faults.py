@@ -21,7 +21,7 @@ from jobs.cli.client import FreightClient
 from jobs.domain.broker import CeleryDispatcher
 from storage import job_store
 from storage.models import Job
-from tests.jobs.fault_helpers import (
+from tests.service.fault_helpers import (
     ServiceDB,
     assert_one_result_per_row,
     sigkill,
@@ -29,7 +29,7 @@ from tests.jobs.fault_helpers import (
     staggered_table,
     wait_for,
 )
-from tests.jobs.service_fixtures import (
+from tests.service.fixtures import (
     PARKED_MODEL,
     PG_ADMIN_URL,
     Process,

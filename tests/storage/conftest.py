@@ -1,1 +1,0 @@
-from tests.jobs.service_fixtures import pg_url  # noqa: F401 - fixture

@@ -14,6 +14,7 @@ COUNTERS = (
     "prompt_tokens",
     "output_tokens",
     "computed_tokens",
+    "cached_prompt_tokens",
     "padding_tokens",
     "preemptions",
     "batch_size_sum",

@@ -18,7 +18,10 @@ from storage.shard_store import shards_of
 from storage.summary_store import summary_counts
 
 # Engine counters that add up across attempts (each attempt records its own difference).
-SUMMED_STATS = ("steps", "computed_tokens", "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds")
+SUMMED_STATS = (
+    "steps", "computed_tokens", "cached_prompt_tokens", "padding_tokens", "preemptions", "batch_size_sum",
+    "busy_seconds",
+)
 
 
 def compute_metrics(
@@ -43,6 +46,7 @@ def compute_metrics(
         "output_tokens": output_tokens,
         "padding_tokens": int(totals["padding_tokens"]),
         "computed_tokens": int(totals["computed_tokens"]),
+        "cached_prompt_tokens": int(totals["cached_prompt_tokens"]),
         "device_seconds": round(device_seconds, 4),
         "wall_seconds": round(wall, 4),
         "queue_seconds": round(seconds_between(job.created_at, job.started_at or end), 4),

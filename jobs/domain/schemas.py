@@ -190,6 +190,7 @@ class JobMetrics(BaseModel):
     output_tokens: int
     padding_tokens: int
     computed_tokens: int
+    cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV came from the prefix cache")
     device_seconds: float = Field(description="engine busy time, summed over shards")
     wall_seconds: float = Field(description="first shard started to job finished")
     queue_seconds: float = Field(description="job created to first shard started")

@@ -29,6 +29,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
     gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
     scheduling: Literal["length", "fifo"] = "length"
+    # share the KV of full blocks between sequences with the same prompt prefix (block_manager.py)
+    enable_prefix_caching: bool = True
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models

@@ -63,7 +63,9 @@ class LLMEngine:
         if self.plan.attention is not None:
             self.kv_cache.compiled_decode = self.plan.attention.compiled_decode
             self.kv_cache.compiled_prefill = self.plan.attention.compiled_prefill
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        # cached KV is only valid for the same weights and numerics: the salt seeds every block hash
+        salt = f"{config.model}|{scheme.dtype}|{scheme.quantization}|{config.smoothing}|{self.kv_dtype}"
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.blocks)
         self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
         self._recorder = StatsRecorder(self.stats)
@@ -159,6 +161,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)
+        self.stats.cached_prompt_tokens += scheduled.cached_tokens
         if scheduled.is_empty:
             raise RuntimeError("scheduler made no progress; the KV pool is too small for any waiting request")
         inputs = build_step_inputs(scheduled, self.blocks, self.device)
@@ -168,8 +171,10 @@ class LLMEngine:
                 self._collect_prompt_logprobs(hidden, chunk, offset)
         for seq in scheduled.decodes:
             seq.num_computed_tokens += 1
+            self.blocks.register_full(seq, seq.num_computed_tokens - 1, seq.num_computed_tokens)
         for chunk in scheduled.prefills:
             chunk.seq.num_computed_tokens = chunk.end
+            self.blocks.register_full(chunk.seq, chunk.start, chunk.end)
         finished.extend(self._sample(hidden, inputs.sample_rows, inputs.sample_seqs))
         for seq in finished:
             if seq in self.scheduler.running:

@@ -34,6 +34,9 @@ class EngineStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model, recompute after preemption included
+    # tokens whose KV came from the prefix cache instead of the model (a sequence resumed after
+    # preemption counts what it finds again, its own earlier output included)
+    cached_prompt_tokens: int = 0
     padding_tokens: int = 0
     num_kv_blocks: int = 0
     peak_kv_blocks_used: int = 0
@@ -58,6 +61,7 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "computed_tokens": self.computed_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "padding_tokens": self.padding_tokens,
             "num_kv_blocks": self.num_kv_blocks,
             "peak_kv_blocks_used": self.peak_kv_blocks_used,

@@ -3,12 +3,19 @@
 Decodes go first (one token each), then chunks of unfinished prefills, then new sequences, all
 bounded by max_num_seqs, max_num_batched_tokens and free KV blocks. When a decode needs a block
 and none is free, the newest running sequence is preempted: its blocks are freed and it is
-recomputed later from its tokens.
+recomputed later from its tokens (or, with prefix caching, from what of them is still cached).
+
+Prefix caching: a sequence is admitted with the longest cached prefix of its tokens shared
+(block_manager.py) and prefill starts after it. Two rules keep rows of one job, which share a
+chat header and instruction, together: length ordering sorts by uncached tokens (below), and a
+sequence whose next uncached block is being computed in this very step by another one waits a
+step, to find it cached instead of computing it a second time.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
@@ -37,6 +44,7 @@ class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0  # tokens admitted sequences took from the prefix cache instead of computing
 
     @property
     def num_tokens(self) -> int:
@@ -119,31 +127,65 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        in_flight = self._in_flight_hashes(out)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 return
-            num = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=self._admission_reserve)
+            cached = self.blocks.cached_prefix(seq)
+            if self._waits_for_in_flight(seq, len(cached), in_flight):
+                return
+            start = len(cached) * self.blocks.block_size
+            # unreferenced cached blocks count as free until this sequence takes them
+            reserve = self._admission_reserve + self.blocks.num_evictable(cached)
+            num = self._chunk_size(len(cached), start, min(seq.num_tokens - start, budget), reserve)
             if num == 0:
                 return
             self._pop_waiting(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.blocks.allocate(seq, num)
-            out.prefills.append(PrefillChunk(seq, 0, num))
+            self.blocks.share(seq, cached)
+            seq.num_computed_tokens = start
+            self.blocks.allocate(seq, start + num)
+            chunk = PrefillChunk(seq, start, num)
+            out.prefills.append(chunk)
+            out.cached_tokens += start
+            if self.blocks.enable_caching:
+                in_flight.update(self._chunk_hashes(chunk))
             budget -= num
 
+    def _in_flight_hashes(self, out: SchedulerOutput) -> set[bytes]:
+        if not self.blocks.enable_caching:
+            return set()
+        return {h for chunk in out.prefills for h in self._chunk_hashes(chunk)}
+
+    def _chunk_hashes(self, chunk: PrefillChunk) -> list[bytes]:
+        """Hashes of the blocks this chunk fills (registered after the step)."""
+        bs = self.blocks.block_size
+        return self.blocks.hashes(chunk.seq, chunk.end // bs)[chunk.start // bs :]
+
+    def _waits_for_in_flight(self, seq: Sequence, num_cached: int, in_flight: set[bytes]) -> bool:
+        if not in_flight or seq.params.prompt_logprobs:
+            return False
+        hashes = self.blocks.shareable_hashes(seq)
+        return num_cached < len(hashes) and hashes[num_cached] in in_flight
+
     def _fit_chunk(self, seq: Sequence, wanted: int, reserve: int) -> int:
-        """Largest chunk <= wanted whose blocks can be allocated now, keeping `reserve` blocks free."""
+        return self._chunk_size(len(seq.block_table), seq.num_computed_tokens, wanted, reserve)
+
+    def _chunk_size(self, num_held: int, computed: int, wanted: int, reserve: int) -> int:
+        """Largest chunk <= wanted that fits in the `num_held` blocks of a sequence with `computed`
+        tokens plus the blocks that can be allocated now, keeping `reserve` blocks free."""
         free_blocks = self.blocks.num_free - reserve
         if free_blocks < 0:
             return 0
-        capacity = (len(seq.block_table) + free_blocks) * self.blocks.block_size - seq.num_computed_tokens
+        capacity = (num_held + free_blocks) * self.blocks.block_size - computed
         return max(0, min(wanted, capacity))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.num_computed_tokens = 0  # recomputed from its tokens (after any cached prefix) when resumed
         seq.status = SequenceStatus.WAITING
         self._preempted.appendleft(seq)
         out.preempted.append(seq)
@@ -157,12 +199,37 @@ class Scheduler:
             return None
         if not self._waiting_sorted:
             if self.config.scheduling == "length":
-                # shortest last, so that pop() from the end admits shortest-first
-                self._waiting.sort(key=lambda s: (s.num_tokens, s.request_id), reverse=True)
+                # shortest (uncached) last, so that pop() from the end admits shortest-first
+                uncached = self._uncached_tokens()
+                self._waiting.sort(key=lambda s: (uncached(s), s.request_id), reverse=True)
             else:
                 self._waiting.sort(key=lambda s: s.request_id, reverse=True)
             self._waiting_sorted = True
         return self._waiting[-1]
+
+    def _uncached_tokens(self) -> Callable[[Sequence], int]:
+        """Tokens a waiting sequence is expected to compute: its length less its leading blocks that are
+        cached or that another waiting sequence shares (the first of them to run caches them).
+
+        Ordering by this rather than total length keeps the rows of a job with a long shared
+        instruction together and early: what each costs is its unique part, so they are not pushed
+        behind shorter unrelated prompts, where the shared blocks might be evicted between them.
+        """
+        if not self.blocks.enable_caching:
+            return lambda s: s.num_tokens
+        counts = Counter(h for s in self._waiting for h in self.blocks.shareable_hashes(s))
+
+        def uncached(seq: Sequence) -> int:
+            if seq.params.prompt_logprobs:  # never served from the cache
+                return seq.num_tokens
+            shared = 0
+            for h in self.blocks.shareable_hashes(seq):
+                if counts[h] < 2 and not self.blocks.is_cached(h):
+                    break
+                shared += 1
+            return seq.num_tokens - shared * self.blocks.block_size
+
+        return uncached
 
     def _pop_waiting(self, seq: Sequence) -> None:
         if self._preempted and self._preempted[0] is seq:

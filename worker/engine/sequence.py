@@ -28,6 +28,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     finish_reason: FinishReason | None = None
     error: str | None = None
     stop_text_end: int | None = None  # where the text is cut when a stop string matched

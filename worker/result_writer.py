@@ -121,6 +121,7 @@ class ResultWriter(ChunkWriter):
         self.report()
 
     def report(self) -> None:
+        self.last_report = time.monotonic()
         if self.on_progress is None:
             return
         elapsed = max(time.monotonic() - self.started, 1e-9)

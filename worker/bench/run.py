@@ -46,10 +46,14 @@ FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         # the defaults without the small-batch INT8 kernel: what it gains where batches are small
         "freight-no-small-batch": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
                                                     "small_batch_rows": 0}),
+        # the defaults without prefix caching: what sharing KV blocks gains (or costs) on this workload
+        "freight-no-prefix-cache": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
+                                                     "enable_prefix_caching": False}),
     }
 )  # fmt: skip
 SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM)
-DEFAULT_SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS)
+# the ablations (no small-batch kernel, no prefix caching) run when named
+DEFAULT_SYSTEMS = (TRANSFORMERS, *(s for s in FREIGHT_SYSTEMS if "-no-" not in s))
 
 
 @dataclass

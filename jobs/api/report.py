@@ -130,6 +130,7 @@ COST_ROWS = (
     ("prompt_tokens", "prompt tokens", ""),
     ("output_tokens", "output tokens", ""),
     ("computed_tokens", "computed tokens", ""),
+    ("cached_prompt_tokens", "prompt tokens from the prefix cache", ""),
     ("padding_tokens", "padding tokens", ""),
     ("documents_split", "documents split into windows", ""),
     ("windows", "summary windows", ""),

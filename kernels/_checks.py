@@ -19,6 +19,14 @@ class PagedCacheLayout:
     quantized: bool  # int8 values with a float scale per (slot, kv head)
 
 
+def resolve_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """out_dtype, defaulting to x's dtype; refused unless a float dtype the kernels write."""
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    return out_dtype
+
+
 def check_float_tensor(name: str, tensor: torch.Tensor, ndim: int) -> None:
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")

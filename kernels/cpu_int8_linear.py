@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, check_float_tensor
+from kernels._checks import check_float_tensor, resolve_out_dtype
 from kernels._cpu_build import build_extension
 from kernels.platform import cpu_info
 
@@ -263,10 +263,7 @@ def _check_onednn_args(x: torch.Tensor, w: OnednnWeight, out_dtype: torch.dtype 
         raise ValueError(f"the oneDNN int8 linear runs on CPU tensors, got {x.device}")
     if x.shape[1] != w.K:
         raise ValueError(f"x has K = {x.shape[1]} columns but the weight is [N, K] = [{w.N}, {w.K}]")
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    return out_dtype
+    return resolve_out_dtype(x, out_dtype)
 
 
 def int8_linear_onednn(

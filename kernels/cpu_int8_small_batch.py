@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu_int8_linear
-from kernels._checks import FLOAT_DTYPES, check_float_tensor
+from kernels._checks import check_float_tensor, resolve_out_dtype
 from kernels._cpu_build import build_extension
 
 
@@ -57,10 +57,7 @@ def _check(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype:
         raise ValueError(f"x has K = {x.shape[1]} columns but w_q is [N, K] = [{N}, {K}]")
     if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (N,):
         raise ValueError(f"w_scale must be float32 [{N}], got {w_scale.dtype} {tuple(w_scale.shape)}")
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    return out_dtype
+    return resolve_out_dtype(x, out_dtype)
 
 
 def int8_linear_small_batch(

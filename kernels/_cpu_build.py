@@ -15,9 +15,11 @@ import fcntl
 import logging
 import os
 import platform as _platform
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 from kernels.platform import active_tier
 
@@ -39,16 +41,25 @@ def tier_cflags(tier: str) -> list[str]:
 
 # torch's build takes a lock file beside the build and waits, without end, for it to go; a process killed
 # mid-build (a worker stopped during its first start, a test's subprocess past its timeout) leaves it
-# behind and every later start hangs. So every build of ours runs under an flock of our own, which the
+# behind and every later start hangs. So every build of ours runs under a lock of our own, which the
 # kernel releases when its holder dies: holding it, a torch lock file can only be a dead build's.
+# It is a POSIX record lock (lockf), not flock: a child forked while a build runs (a Celery pool, a
+# server) does not inherit it, so it cannot keep the lock held for as long as it lives.
+BUILD_LOCK_WAIT_S = 900.0  # a cold build of one kernel on two busy cores takes a few minutes at most
+
+
+class BuildLockTimeout(RuntimeError):
+    pass
+
+
 @contextlib.contextmanager
-def _build_lock(module_name: str) -> Iterator[None]:
+def _build_lock(module_name: str, wait_s: float = BUILD_LOCK_WAIT_S) -> Iterator[None]:
     from torch.utils.cpp_extension import _get_build_directory
 
     build_dir = Path(_get_build_directory(module_name, verbose=False))
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "freight-build.lock", "w") as ours:
-        fcntl.flock(ours, fcntl.LOCK_EX)
+    with open(build_dir / "freight-build.lock", "a+") as ours:
+        _acquire(ours, module_name, wait_s)
         try:
             stale = build_dir / "lock"
             if stale.exists():
@@ -56,7 +67,26 @@ def _build_lock(module_name: str) -> Iterator[None]:
                 stale.unlink(missing_ok=True)
             yield
         finally:
-            fcntl.flock(ours, fcntl.LOCK_UN)
+            fcntl.lockf(ours, fcntl.LOCK_UN)
+
+
+def _acquire(lock_file: IO[str], module_name: str, wait_s: float) -> None:
+    """Waits for another process's build of the same module, but not for ever."""
+    deadline = time.monotonic() + wait_s
+    logged = False
+    while True:
+        try:
+            fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BuildLockTimeout(
+                    f"another process has been building {module_name} for over {wait_s:.0f} s"
+                ) from None
+            if not logged:
+                log.info("waiting for another process's build of %s", module_name)
+                logged = True
+            time.sleep(0.2)
 
 
 def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | None:

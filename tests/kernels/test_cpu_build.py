@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -9,10 +11,12 @@ import pytest
 from torch.utils.cpp_extension import _get_build_directory
 
 from kernels import cpu_int8_small_batch
-from kernels._cpu_build import build_extension
+from kernels._cpu_build import BuildLockTimeout, _build_lock, build_extension
 from kernels.platform import active_tier
 
-pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no C++ toolchain to build kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_int8_small_batch.available(), reason="no C++ toolchain to build kernels"
+)
 
 
 def test_a_dead_builds_lock_is_removed_instead_of_waited_on() -> None:
@@ -24,3 +28,30 @@ def test_a_dead_builds_lock_is_removed_instead_of_waited_on() -> None:
     assert module is not None and hasattr(module, "product")
     assert not lock.exists()
     assert time.perf_counter() - started < 120
+
+
+HOLD_LOCK = """
+import fcntl, sys, time
+with open(sys.argv[1], "a+") as f:
+    fcntl.lockf(f, fcntl.LOCK_EX)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_live_build_is_waited_for_but_not_for_ever() -> None:
+    name = f"freight_int8_small_batch_cpu_{active_tier()}"
+    lock_file = Path(_get_build_directory(name, verbose=False)) / "freight-build.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock_file)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(BuildLockTimeout, match="over 1 s"):
+            with _build_lock(name, wait_s=1.0):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with _build_lock(name, wait_s=10.0):  # the holder's death released it
+        pass

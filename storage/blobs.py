@@ -81,5 +81,8 @@ class BlobStore:
     def read_text(self, name: str) -> str:
         return self.path(name).read_text(encoding="utf-8")
 
+    def delete(self, name: str) -> None:
+        self.path(name).unlink(missing_ok=True)
+
     def delete_job(self, job_id: str) -> None:
         shutil.rmtree(self.path(f"jobs/{job_id}"), ignore_errors=True)

@@ -1,4 +1,5 @@
-"""SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events."""
+"""SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events,
+and the files and batches of the OpenAI-compatible API."""
 
 from __future__ import annotations
 
@@ -152,3 +153,48 @@ class SummaryPart(Base):
     output_tokens: Mapped[int] = mapped_column(Integer)
     shard_index: Mapped[int] = mapped_column(Integer)
     finished_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class OpenAIFile(Base):
+    """A file of the OpenAI-compatible API: an uploaded batch input, or a batch's output or error file.
+    The bytes are in the blob store under `blob_name` (server-chosen)."""
+
+    __tablename__ = "openai_files"
+
+    seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)  # cursor order
+    id: Mapped[str] = mapped_column(String(40), unique=True)
+    tenant: Mapped[str] = mapped_column(String(200))
+    purpose: Mapped[str] = mapped_column(String(20))
+    filename: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    blob_name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (Index("ix_openai_files_tenant_seq", "tenant", "seq"),)
+
+
+class OpenAIBatch(Base):
+    """An OpenAI-compatible batch: what its job does not hold. Its status and timestamps come from the
+    job (status and events); `job_id` is null only for a batch that failed before it had one."""
+
+    __tablename__ = "openai_batches"
+
+    seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)  # cursor order
+    id: Mapped[str] = mapped_column(String(40), unique=True)
+    tenant: Mapped[str] = mapped_column(String(200))
+    job_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    endpoint: Mapped[str] = mapped_column(String(40))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(10))
+    batch_metadata: Mapped[dict[str, Any]] = mapped_column("metadata")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()
+    expired_at: Mapped[datetime | None] = mapped_column(default=None)  # the window passed: cancelled
+    # Lines refused one by one ({line, custom_id, message, param, code}): they are not rows of the job.
+    line_errors: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # why the batch failed
+    output_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    outputs_ready: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    __table_args__ = (Index("ix_openai_batches_tenant_seq", "tenant", "seq"),)

@@ -19,6 +19,8 @@ TABLES = {
     "results",
     "job_events",
     "summary_parts",
+    "openai_files",
+    "openai_batches",
     "alembic_version",
 }
 
@@ -68,4 +70,19 @@ def test_sqlite_shard_attempts_migration_goes_down_and_up(tmp_path: Path) -> Non
     finally:
         engine.dispose()
     upgrade(url)
-    assert current_revision(url) == "0003" and _schema_diff(url) == []
+    assert current_revision(url) == _head(url) and _schema_diff(url) == []
+
+
+def test_sqlite_openai_batches_migration_goes_down_and_up(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'freight.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0003")
+    engine = make_engine(url)
+    try:
+        assert not {"openai_files", "openai_batches"} & set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == "0004" and _schema_diff(url) == []

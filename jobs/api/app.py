@@ -12,11 +12,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, Query, Request, UploadFile
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
@@ -24,6 +23,8 @@ from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from jobs.api.auth import Service, Tenant
+from jobs.api.openai_batch import openai_batch_router
 from jobs.api.prometheus import install_metrics
 from jobs.api.report import job_report_html
 from jobs.api.upload_limit import UploadLimit
@@ -35,10 +36,8 @@ from jobs.domain.service import BrokerUnavailable, JobService
 from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
-from storage.keys import tenant_for_key
 from storage.status import JobStatus
 
-bearer = HTTPBearer(auto_error=False, description="an API key from `freight keys create --tenant NAME`")
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
 # What storage.job_store.new_job_id makes: anything else names no job (and may not even be storable in
 # Postgres, e.g. a NUL), so the API answers it without a query.
@@ -80,30 +79,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     _add_error_handlers(app)
     _add_routes(app, settings)
+    app.include_router(openai_batch_router())
     install_metrics(app)
     app.add_middleware(UploadLimit, max_upload_bytes=settings.max_upload_bytes)
     return app
-
-
-def _service(request: Request) -> JobService:
-    return request.app.state.service
-
-
-def _tenant(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
-) -> str:
-    unauthorized = {"WWW-Authenticate": "Bearer"}
-    if credentials is None:
-        raise HTTPException(401, "missing API key: send Authorization: Bearer <key>", headers=unauthorized)
-    with _service(request).sessions() as session:
-        tenant = tenant_for_key(session, credentials.credentials)
-    if tenant is None:
-        raise HTTPException(401, "invalid or revoked API key", headers=unauthorized)
-    return tenant
-
-
-Tenant = Annotated[str, Depends(_tenant)]
-Service = Annotated[JobService, Depends(_service)]
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,124 @@
+"""The OpenAI-compatible Batch API: /v1/files and /v1/batches, so that an OpenAI SDK batch script runs
+against Freight with only its base_url and api_key changed. Same tenants and keys as the native
+routes; another tenant's file or batch is a 404. Each batch is one Freight job
+(jobs/domain/openai_service.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict
+
+from jobs.api.auth import Tenant
+from jobs.domain.errors import InputError, NotFound, clip_repr
+from jobs.domain.openai_service import BatchService
+
+# What storage.openai_store makes; anything else names nothing, answered before any query.
+FILE_ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")
+BATCH_ID_PATTERN = re.compile(r"batch_[0-9a-f]{32}")
+JSONL_MEDIA_TYPE = "application/jsonl"
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def _batches(request: Request) -> BatchService:
+    return BatchService(request.app.state.service)
+
+
+Batches = Annotated[BatchService, Depends(_batches)]
+
+
+def _file_id(file_id: Annotated[str, PathParam(description="a file id, file- and 24 hex digits")]) -> str:
+    if not FILE_ID_PATTERN.fullmatch(file_id):
+        raise NotFound(f"no file {clip_repr(file_id)}")
+    return file_id
+
+
+def _batch_id(batch_id: Annotated[str, PathParam(description="a batch id, batch_ and 32 hex digits")]) -> str:
+    if not BATCH_ID_PATTERN.fullmatch(batch_id):
+        raise NotFound(f"no batch {clip_repr(batch_id)}")
+    return batch_id
+
+
+FileId = Annotated[str, Depends(_file_id)]
+BatchId = Annotated[str, Depends(_batch_id)]
+Limit = Annotated[int, Query(ge=1, le=100)]
+
+
+def _cursor(after: str | None, pattern: re.Pattern[str]) -> str | None:
+    if after is not None and not pattern.fullmatch(after):
+        raise InputError(f"unknown cursor {clip_repr(after)}", field="after")
+    return after
+
+
+def openai_batch_router() -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["openai batch"])
+
+    @router.post("/files")
+    def create_file(
+        tenant: Tenant,
+        batches: Batches,
+        file: Annotated[UploadFile, File(description="the batch input, JSONL")],
+        purpose: Annotated[str, Form(description="batch")],
+    ) -> dict[str, Any]:
+        return batches.upload(tenant, file.file, file.filename, purpose)
+
+    @router.get("/files")
+    def list_files(
+        tenant: Tenant,
+        batches: Batches,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: Limit = 20,
+    ) -> dict[str, Any]:
+        return batches.list_files(tenant, purpose, _cursor(after, FILE_ID_PATTERN), limit)
+
+    @router.get("/files/{file_id}")
+    def get_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:
+        return batches.get_file(tenant, file_id)
+
+    @router.get("/files/{file_id}/content", response_class=FileResponse)
+    def file_content(tenant: Tenant, batches: Batches, file_id: FileId) -> FileResponse:
+        return FileResponse(batches.file_path(tenant, file_id), media_type=JSONL_MEDIA_TYPE)
+
+    @router.delete("/files/{file_id}")
+    def delete_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:
+        return batches.delete_file(tenant, file_id)
+
+    @router.post("/batches")
+    def create_batch(tenant: Tenant, batches: Batches, body: CreateBatch) -> dict[str, Any]:
+        _file_id(body.input_file_id)
+        return batches.create(
+            tenant,
+            input_file_id=body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+        )
+
+    @router.get("/batches")
+    def list_batches(
+        tenant: Tenant, batches: Batches, after: str | None = None, limit: Limit = 20
+    ) -> dict[str, Any]:
+        return batches.list(tenant, _cursor(after, BATCH_ID_PATTERN), limit)
+
+    @router.get("/batches/{batch_id}")
+    def get_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> dict[str, Any]:
+        return batches.get(tenant, batch_id)
+
+    @router.post("/batches/{batch_id}/cancel")
+    def cancel_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> dict[str, Any]:
+        return batches.cancel(tenant, batch_id)
+
+    return router

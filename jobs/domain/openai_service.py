@@ -1,0 +1,424 @@
+"""The OpenAI-compatible Batch API over the job machinery: files (stored in the blob store), and
+batches, each of which is one Freight job (one JSONL line = one row) submitted through
+JobService.submit, so validation, sharding, crash safety and cost metrics are the native ones.
+
+One source of truth: a batch's status and timestamps are read from its job (status and events,
+storage/status.py JOB_TRANSITIONS); the batch row holds only what the job does not (endpoint, input
+file, window, metadata, refused lines, output and error files, when it expired).
+
+Output and error files are written once, on the first read of the batch (retrieve or list) after its
+job reaches a final status: the API needs no hook in the worker's finalize, and a batch nobody reads
+costs nothing. Two readers at once may both write them; one conditional update picks the files that
+count and the other's are deleted.
+
+Expiry is checked on the same reads: a batch read after its `expires_at` whose job is still running
+is cancelled (the job's own cancel: finished rows are kept, the rest are never run) and noted as
+expired; it shows `expired` once the job is final, its unrun rows in the error file as
+`batch_expired`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow.parquet as pq
+
+from jobs.domain.errors import Conflict, InputError, NotFound, clip_repr
+from jobs.domain.openai_batch import (
+    COMPLETION_WINDOWS,
+    ENDPOINTS,
+    MAX_NAMED_LINE_ERRORS,
+    LineError,
+    ParsedBatch,
+    error_line,
+    jsonl,
+    output_line,
+    parse_batch_file,
+)
+from jobs.domain.schemas import job_params
+from jobs.domain.service import JobService
+from storage import job_store, openai_store
+from storage.blobs import UploadTooLarge
+from storage.models import OpenAIBatch, OpenAIFile, as_utc, utcnow
+from storage.status import CANCELLABLE_JOB_STATUSES, COMPLETED_FINISH_REASONS, FinishReason, JobStatus
+
+INPUT_PURPOSE = "batch"
+OUTPUT_PURPOSE = "batch_output"
+MAX_FILENAME_CHARS = 1024
+FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
+
+
+def _ts(moment: datetime | None) -> int | None:
+    return None if moment is None else int(as_utc(moment).timestamp())
+
+
+def file_object(row: OpenAIFile) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "object": "file",
+        "bytes": row.bytes,
+        "created_at": _ts(row.created_at),
+        "filename": row.filename,
+        "purpose": row.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+def batch_status(job_status: str | None, expired: bool) -> str:
+    """The batch's status from its job's (None: the batch failed before it had a job)."""
+    if job_status is None:
+        return "failed"
+    status = JobStatus(job_status)
+    if expired and status != JobStatus.FAILED:
+        # Cancelled for its window: finishing what runs, then expired (keeping what finished).
+        return "expired" if status in (JobStatus.CANCELLED, JobStatus.COMPLETED) else "finalizing"
+    if status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
+        return "in_progress"
+    return status.value  # finalizing, completed, failed, cancelling, cancelled: the same words
+
+
+class BatchService:
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+        self.sessions = jobs.sessions
+        self.blobs = jobs.blobs
+        self.settings = jobs.settings
+
+    # ---- files ---------------------------------------------------------------------------------
+
+    def upload(self, tenant: str, source: BinaryIO, filename: str | None, purpose: str) -> dict[str, Any]:
+        if purpose != INPUT_PURPOSE:
+            raise InputError(
+                f"purpose {clip_repr(purpose)} is not supported; upload batch input files with purpose "
+                f"{INPUT_PURPOSE!r}",
+                field="purpose",
+            )
+        filename = filename or "upload.jsonl"
+        if len(filename) > MAX_FILENAME_CHARS or "\x00" in filename:
+            raise InputError(
+                f"the filename must have at most {MAX_FILENAME_CHARS} characters and no NUL", field="file"
+            )
+        file_id = openai_store.new_file_id()
+        name = openai_store.file_blob_name(file_id)
+        try:
+            size = self.blobs.write_stream(name, source, self.settings.max_upload_bytes)
+        except UploadTooLarge as exc:
+            self.blobs.delete(name)
+            raise InputError(str(exc), status_code=413, field="file") from exc
+        with self.sessions() as session:
+            row = openai_store.add_file(
+                session,
+                file_id=file_id,
+                tenant=tenant,
+                purpose=purpose,
+                filename=filename,
+                size=size,
+                blob_name=name,
+            )
+            return file_object(row)
+
+    def _file(self, session, tenant: str, file_id: str) -> OpenAIFile:
+        row = openai_store.get_file(session, file_id, tenant)
+        if row is None:
+            raise NotFound(f"no file {file_id!r}")
+        return row
+
+    def get_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        with self.sessions() as session:
+            return file_object(self._file(session, tenant, file_id))
+
+    def file_path(self, tenant: str, file_id: str) -> Path:
+        with self.sessions() as session:
+            return self.blobs.path(self._file(session, tenant, file_id).blob_name)
+
+    def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> dict[str, Any]:
+        with self.sessions() as session:
+            try:
+                rows, has_more = openai_store.list_files(
+                    session, tenant, purpose=purpose, after=after, limit=limit
+                )
+            except LookupError as exc:
+                raise InputError(str(exc), field="after") from exc
+            return _page([file_object(row) for row in rows], has_more)
+
+    def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        with self.sessions() as session:
+            row = self._file(session, tenant, file_id)
+            name = row.blob_name
+            if not openai_store.delete_file(session, file_id, tenant):
+                raise NotFound(f"no file {file_id!r}")
+        self.blobs.delete(name)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ---- batches -------------------------------------------------------------------------------
+
+    def create(
+        self,
+        tenant: str,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        if endpoint not in ENDPOINTS:
+            raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
+        if completion_window not in COMPLETION_WINDOWS:
+            raise InputError(
+                f"completion_window must be one of {list(COMPLETION_WINDOWS)}", field="completion_window"
+            )
+        metadata = job_params({"metadata": metadata or {}}).metadata  # the job's metadata rules
+        with self.sessions() as session:
+            source = openai_store.get_file(session, input_file_id, tenant)
+            if source is None:
+                raise NotFound(f"no file {input_file_id!r}")
+            if source.purpose != INPUT_PURPOSE:
+                raise InputError(
+                    f"file {input_file_id} has purpose {source.purpose!r}; a batch reads a {INPUT_PURPOSE!r} file",
+                    field="input_file_id",
+                )
+            data = self.blobs.path(source.blob_name).read_bytes()
+        created_at = utcnow()
+        job_id, line_errors, errors = self._submit(tenant, data, endpoint)
+        with self.sessions() as session:
+            row = openai_store.add_batch(
+                session,
+                batch_id=openai_store.new_batch_id(),
+                tenant=tenant,
+                job_id=job_id,
+                endpoint=endpoint,
+                input_file_id=input_file_id,
+                completion_window=completion_window,
+                metadata=metadata,
+                created_at=created_at,
+                expires_at=created_at + timedelta(seconds=COMPLETION_WINDOWS[completion_window]),
+                line_errors=[error.as_dict() for error in line_errors],
+                errors=errors,
+            )
+            return self._view(session, tenant, row)
+
+    def _submit(
+        self, tenant: str, data: bytes, endpoint: str
+    ) -> tuple[str | None, list[LineError], list[dict[str, Any]] | None]:
+        """(job id, refused lines, errors of a failed batch): the good lines become one job."""
+        try:
+            parsed: ParsedBatch = parse_batch_file(data, endpoint, self.jobs.resolve)
+        except InputError as exc:
+            return (
+                None,
+                [],
+                [{"code": "invalid_file", "message": exc.message, "param": exc.field, "line": None}],
+            )
+        if not parsed.requests:
+            named = [
+                {"code": error.code, "message": error.message, "param": error.param, "line": error.line}
+                for error in parsed.errors[:MAX_NAMED_LINE_ERRORS]
+            ]
+            return None, parsed.errors, named
+        params = parsed.job_params(chat_max_tokens=self.settings.max_model_len - 1)
+        try:
+            job = self.jobs.submit(tenant, io.BytesIO(parsed.to_parquet()), params)
+        except InputError as exc:
+            row = exc.row
+            line = parsed.requests[row].line if row is not None and 0 <= row < len(parsed.requests) else None
+            return (
+                None,
+                parsed.errors,
+                [{"code": "invalid_file", "message": exc.message, "param": None, "line": line}],
+            )
+        return job.id, parsed.errors, None
+
+    def _batch(self, session, tenant: str, batch_id: str) -> OpenAIBatch:
+        row = openai_store.get_batch(session, batch_id, tenant)
+        if row is None:
+            raise NotFound(f"no batch {batch_id!r}")
+        return row
+
+    def get(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        with self.sessions() as session:
+            return self._view(session, tenant, self._batch(session, tenant, batch_id))
+
+    def list(self, tenant: str, after: str | None, limit: int) -> dict[str, Any]:
+        with self.sessions() as session:
+            try:
+                rows, has_more = openai_store.list_batches(session, tenant, after=after, limit=limit)
+            except LookupError as exc:
+                raise InputError(str(exc), field="after") from exc
+            return _page([self._view(session, tenant, row) for row in rows], has_more)
+
+    def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        with self.sessions() as session:
+            row = self._batch(session, tenant, batch_id)
+            if row.job_id is None:
+                raise Conflict(f"batch {batch_id} is failed; only a running batch can be cancelled")
+            job_id = row.job_id
+        try:
+            self.jobs.cancel(tenant, job_id)
+        except Conflict as exc:
+            raise Conflict(str(exc).replace(f"job {job_id}", f"batch {batch_id}")) from exc
+        return self.get(tenant, batch_id)
+
+    # ---- the batch object ----------------------------------------------------------------------
+
+    def _view(self, session, tenant: str, row: OpenAIBatch) -> dict[str, Any]:
+        job = job_store.get_job(session, row.job_id, tenant=tenant) if row.job_id else None
+        if job is not None:
+            self._expire_if_due(session, row, job.status)
+            session.refresh(job)
+        status = batch_status(job.status if job else None, row.expired_at is not None)
+        if status in FINAL_BATCH_STATUSES and not row.outputs_ready:
+            self._write_outputs(session, tenant, row, job, status)
+            session.refresh(row)
+        entered: dict[str, datetime] = {}
+        if job is not None:
+            for event in job_store.events(session, job.id):
+                entered.setdefault(event.status, event.at)
+        finished = job.finished_at if job is not None else row.created_at
+        counts = {"total": len(row.line_errors), "completed": 0, "failed": len(row.line_errors)}
+        usage = None
+        if job is not None:
+            view = self.jobs.view(session, job)
+            counts["total"] += view.request_counts.total
+            counts["completed"] += view.request_counts.completed
+            counts["failed"] += view.request_counts.failed
+            metrics = self.jobs.metrics(tenant, job.id)
+            usage = {
+                "input_tokens": metrics["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": metrics.get("cached_prompt_tokens", 0)},
+                "output_tokens": metrics["output_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": metrics["prompt_tokens"] + metrics["output_tokens"],
+            }
+        expired = row.expired_at is not None
+        return {
+            "id": row.id,
+            "object": "batch",
+            "endpoint": row.endpoint,
+            "model": job.model if job is not None else None,
+            "input_file_id": row.input_file_id,
+            "output_file_id": row.output_file_id,
+            "error_file_id": row.error_file_id,
+            "completion_window": row.completion_window,
+            "status": status,
+            "created_at": _ts(row.created_at),
+            "in_progress_at": _ts(entered.get(JobStatus.QUEUED)),
+            "expires_at": _ts(row.expires_at),
+            "finalizing_at": _ts(entered.get(JobStatus.FINALIZING)),
+            "completed_at": _ts(finished) if status == "completed" else None,
+            "failed_at": _ts(finished) if status == "failed" else None,
+            "expired_at": _ts(row.expired_at) if expired else None,
+            "cancelling_at": None if expired else _ts(entered.get(JobStatus.CANCELLING)),
+            "cancelled_at": _ts(finished) if status == "cancelled" else None,
+            "request_counts": counts,
+            "usage": usage,
+            "metadata": row.batch_metadata,
+            "errors": {"object": "list", "data": row.errors} if row.errors else None,
+        }
+
+    def _expire_if_due(self, session, row: OpenAIBatch, job_status: str) -> None:
+        """A batch past its window whose job still runs: cancel the job, note the expiry."""
+        now = utcnow()
+        if row.expired_at is not None or now < as_utc(row.expires_at):
+            return
+        if job_status in CANCELLABLE_JOB_STATUSES and job_store.request_cancel(session, row.job_id):
+            openai_store.mark_expired(session, row.id, now)
+            session.refresh(row)
+
+    # ---- output and error files ----------------------------------------------------------------
+
+    def _write_outputs(self, session, tenant: str, row: OpenAIBatch, job, status: str) -> None:
+        outputs: list[dict[str, Any]] = []
+        errors = [
+            error_line(
+                batch_id=row.id,
+                key=f"line{error.line}",
+                custom_id=error.custom_id,
+                code=error.code,
+                message=error.message,
+                status_code=400,
+            )
+            for error in map(LineError.from_dict, row.line_errors)
+        ]
+        if job is not None:
+            cancelled_code = "batch_expired" if status == "expired" else "batch_cancelled"
+            created = _ts(job.finished_at) or _ts(utcnow())
+            for record in self._results(tenant, job.id):
+                if record["finish_reason"] in COMPLETED_FINISH_REASONS:
+                    outputs.append(
+                        output_line(
+                            batch_id=row.id,
+                            row_index=record["row_index"],
+                            custom_id=record["custom_id"],
+                            endpoint=row.endpoint,
+                            model=job.model,
+                            created=created,
+                            text=record["output_text"],
+                            finish_reason=record["finish_reason"],
+                            prompt_tokens=record["prompt_tokens"],
+                            output_tokens=record["output_tokens"],
+                        )
+                    )
+                    continue
+                cancelled = record["finish_reason"] == FinishReason.CANCELLED
+                errors.append(
+                    error_line(
+                        batch_id=row.id,
+                        key=str(record["row_index"]),
+                        custom_id=record["custom_id"],
+                        code=cancelled_code if cancelled else "request_failed",
+                        message=record["error"] or "the request failed",
+                        status_code=None,
+                    )
+                )
+        files = []
+        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
+        for key, lines, kind in (("output_file_id", outputs, "output"), ("error_file_id", errors, "error")):
+            if not lines:
+                continue
+            file_id = openai_store.new_file_id()
+            name = openai_store.file_blob_name(file_id)
+            content = jsonl(lines)
+            with self.blobs.atomic_path(name) as temp:
+                temp.write_bytes(content)
+            ids[key] = file_id
+            files.append(
+                {
+                    "file_id": file_id,
+                    "tenant": tenant,
+                    "purpose": OUTPUT_PURPOSE,
+                    "filename": f"{row.id}_{kind}.jsonl",
+                    "size": len(content),
+                    "blob_name": name,
+                }
+            )
+        if not openai_store.set_outputs(session, row.id, files, **ids):
+            for file in files:  # another reader recorded its files first
+                self.blobs.delete(file["blob_name"])
+
+    def _results(self, tenant: str, job_id: str) -> list[dict[str, Any]]:
+        """The job's result rows in row order: its final results file (every row), or, for a job
+        that failed before writing one, the rows stored."""
+        handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-batch-")
+        os.close(handle)
+        try:
+            path, _final = self.jobs.results_path(tenant, job_id, Path(scratch))
+            return pq.read_table(path).to_pylist()
+        finally:
+            os.unlink(scratch)
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }

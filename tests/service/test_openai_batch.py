@@ -1,0 +1,307 @@
+"""The OpenAI-compatible Batch API through the official `openai` package, against a real `freight api`,
+Redis, a real `freight worker`, and Postgres: files.create, batches.create / retrieve / list / cancel,
+files.content of the output and error files; the outputs match a native job's on the same prompts
+(greedy); bad lines go to the error file; expiry and cancel keep what finished; another tenant sees
+nothing; an oversize file is refused."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+
+import openai
+import pyarrow as pa
+import pytest
+from openai import OpenAI
+from sqlalchemy import update
+
+from jobs.cli.client import FreightClient
+from storage.models import OpenAIBatch, utcnow
+from tests.service.fault_helpers import ServiceDB, wait_for
+from tests.service.fixtures import Process, ServiceEnv
+
+pytestmark = pytest.mark.slow
+FINAL = ("completed", "failed", "cancelled", "expired")
+QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Say hello.", "Count to three.", "What is the sky?"]
+
+
+@pytest.fixture
+def sdk(api_url: str, api_keys: dict[str, str]) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{api_url}/v1", api_key=api_keys["acme"], max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def other_sdk(api_url: str, api_keys: dict[str, str]) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{api_url}/v1", api_key=api_keys["globex"], max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def db(service_env: ServiceEnv) -> Iterator[ServiceDB]:
+    view = ServiceDB(service_env)
+    yield view
+    view.close()
+
+
+def jsonl(lines: list) -> bytes:
+    return b"".join(
+        (json.dumps(line) if not isinstance(line, bytes) else line.decode()).encode() + b"\n"
+        for line in lines
+    )
+
+
+def chat(custom_id: str, content: str, model: str, **body) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": content}], **body},
+    }
+
+
+def upload(sdk: OpenAI, lines: list) -> str:
+    return sdk.files.create(file=("requests.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
+
+
+def wait_final(sdk: OpenAI, batch_id: str, timeout: float = 180):
+    return wait_for(
+        lambda: (batch := sdk.batches.retrieve(batch_id)).status in FINAL and batch,
+        timeout,
+        "a final batch",
+        poll=0.3,
+    )
+
+
+def read_lines(sdk: OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()]
+
+
+def test_chat_batch_matches_the_native_job(
+    sdk: OpenAI, client: FreightClient, worker: Process, service_env: ServiceEnv
+) -> None:
+    model = service_env.settings.default_model
+    _native_chat_job(client)  # warm-up
+    lines = [
+        chat(f"q{i}", question, model, max_tokens=8, temperature=0) for i, question in enumerate(QUESTIONS)
+    ]
+    lines.insert(2, {**chat("bad", "x", model), "method": "GET"})
+    uploaded = sdk.files.create(file=("requests.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    assert (uploaded.object, uploaded.purpose, uploaded.filename) == ("file", "batch", "requests.jsonl")
+    assert uploaded.bytes == len(jsonl(lines))
+    assert sdk.files.retrieve(uploaded.id).id == uploaded.id
+    assert sdk.files.content(uploaded.id).content == jsonl(lines)
+
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"purpose": "openai-e2e"},
+    )
+    assert batch.status in ("in_progress", "finalizing", "completed") and batch.object == "batch"
+    assert batch.metadata == {"purpose": "openai-e2e"} and batch.expires_at == batch.created_at + 24 * 3600
+    done = wait_final(sdk, batch.id)
+    assert done.status == "completed", done
+    assert (
+        done.request_counts.total == 6
+        and done.request_counts.completed == 5
+        and done.request_counts.failed == 1
+    )
+    assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+    assert done.usage.output_tokens > 0 and done.usage.input_tokens > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    assert done.usage.input_tokens_details.cached_tokens >= 0
+    assert done.model == model
+
+    outputs = read_lines(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in outputs] == [f"q{i}" for i in range(5)]
+    assert all(line["error"] is None and line["response"]["status_code"] == 200 for line in outputs)
+    bodies = {line["custom_id"]: line["response"]["body"] for line in outputs}
+    assert all(body["object"] == "chat.completion" for body in bodies.values())
+    assert all(body["usage"]["completion_tokens"] <= 8 for body in bodies.values())
+    errors = read_lines(sdk, done.error_file_id)
+    assert len(errors) == 1 and errors[0]["custom_id"] == "bad"
+    assert (
+        errors[0]["response"]["status_code"] == 400
+        and 'line 3: method must be "POST"' in errors[0]["error"]["message"]
+    )
+    assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    # The same prompts as a native job: the same words (greedy). Both run on a warm worker (the
+    # session's first job on a fresh worker can differ in a near-tie: see _native_chat_job).
+    native = _native_chat_job(client)
+    for row in client.results_table(native["id"]).to_pylist():
+        body = bodies[row["custom_id"]]
+        assert body["choices"][0]["message"]["content"] == row["output_text"]
+        assert body["choices"][0]["finish_reason"] == row["finish_reason"]
+        assert body["usage"]["prompt_tokens"] == row["prompt_tokens"]
+
+    listed = sdk.batches.list(limit=100)
+    assert done.id in [item.id for item in listed.data]
+    assert uploaded.id in [item.id for item in sdk.files.list().data]
+
+
+def test_completions_batch_matches_the_native_job(
+    sdk: OpenAI, client: FreightClient, worker: Process, service_env: ServiceEnv
+) -> None:
+    model = service_env.settings.default_model
+    prompts = ["Once upon a time", "The capital of France is"]
+    lines = [
+        {
+            "custom_id": f"p{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": p, "max_tokens": 6, "temperature": 0},
+        }
+        for i, p in enumerate(prompts)
+    ]
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/completions", completion_window="24h"
+    )
+    done = wait_final(sdk, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    outputs = {line["custom_id"]: line["response"]["body"] for line in read_lines(sdk, done.output_file_id)}
+    native = client.submit(
+        pa.table({"custom_id": ["p0", "p1"], "prompt": prompts}), max_tokens=6, temperature=0.0
+    )
+    assert client.wait(native["id"], poll_seconds=0.3, timeout=180)["status"] == "completed"
+    for row in client.results_table(native["id"]).to_pylist():
+        assert outputs[row["custom_id"]]["object"] == "text_completion"
+        assert outputs[row["custom_id"]]["choices"][0]["text"] == row["output_text"]
+
+
+def test_cancel_keeps_what_finished(
+    sdk: OpenAI, worker: Process, service_env: ServiceEnv, db: ServiceDB
+) -> None:
+    model = service_env.settings.default_model
+    rows = 40  # 10 shards of 4, each about a second of decoding
+    lines = [chat(f"c{i}", f"Count to {i}.", model, max_tokens=480, temperature=0) for i in range(rows)]
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    job_id = _job_of(db, batch.id)
+    wait_for(lambda: db.stored_rows(job_id) >= 2, 60, "the first rows")
+    cancelling = sdk.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    done = wait_final(sdk, batch.id, 60)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    outputs = read_lines(sdk, done.output_file_id)
+    errors = read_lines(sdk, done.error_file_id)
+    assert outputs and errors and len(outputs) + len(errors) == rows
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    assert done.request_counts.completed == len(outputs)
+    with pytest.raises(openai.ConflictError):
+        sdk.batches.cancel(batch.id)
+
+
+def test_a_batch_past_its_window_expires_keeping_what_finished(
+    sdk: OpenAI, worker: Process, service_env: ServiceEnv, db: ServiceDB
+) -> None:
+    model = service_env.settings.default_model
+    rows = 40
+    lines = [chat(f"e{i}", f"Count to {i}.", model, max_tokens=480, temperature=0) for i in range(rows)]
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    job_id = _job_of(db, batch.id)
+    wait_for(lambda: db.stored_rows(job_id) >= 2, 60, "the first rows")
+    with db.session() as session:  # the window passes
+        session.execute(
+            update(OpenAIBatch)
+            .where(OpenAIBatch.id == batch.id)
+            .values(expires_at=utcnow() - timedelta(seconds=1))
+        )
+        session.commit()
+    assert sdk.batches.retrieve(batch.id).status in ("finalizing", "expired")
+    done = wait_final(sdk, batch.id, 60)
+    assert done.status == "expired" and done.expired_at is not None and done.cancelled_at is None
+    outputs = read_lines(sdk, done.output_file_id)
+    errors = read_lines(sdk, done.error_file_id)
+    assert outputs and errors and len(outputs) + len(errors) == rows
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+
+
+def test_a_file_of_bad_lines_fails_the_batch_naming_them(sdk: OpenAI, service_env: ServiceEnv) -> None:
+    model = service_env.settings.default_model
+    lines = [b"{not json", {**chat("b", "x", model), "url": "/v1/embeddings"}, chat("c", "x", model, n=3)]
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [error.line for error in batch.errors.data] == [1, 2, 3]
+    assert "not valid JSON" in batch.errors.data[0].message
+    assert batch.request_counts.total == 3 and batch.request_counts.failed == 3
+    assert len(read_lines(sdk, batch.error_file_id)) == 3
+
+
+def test_bad_requests_are_4xx(sdk: OpenAI, service_env: ServiceEnv) -> None:
+    big = b'{"custom_id": "x"}\n' * (5 * 1024 * 1024 // 19)  # over FREIGHT_MAX_UPLOAD_MB=2
+    with pytest.raises(openai.APIStatusError) as oversize:
+        sdk.files.create(file=("big.jsonl", io.BytesIO(big)), purpose="batch")
+    assert oversize.value.status_code == 413
+    file_id = upload(sdk, [chat("a", "x", service_env.settings.default_model)])
+    with pytest.raises(openai.UnprocessableEntityError):
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.UnprocessableEntityError):
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="1h")
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.UnprocessableEntityError):
+        sdk.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    assert sdk.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(file_id)
+
+
+def test_another_tenant_sees_nothing(sdk: OpenAI, other_sdk: OpenAI) -> None:
+    file_id = upload(sdk, [b"not json"])  # a batch that fails at once: no worker needed
+    batch = sdk.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    calls = [
+        lambda: other_sdk.files.retrieve(file_id),
+        lambda: other_sdk.files.content(file_id),
+        lambda: other_sdk.files.delete(file_id),
+        lambda: other_sdk.files.content(batch.error_file_id),
+        lambda: other_sdk.batches.retrieve(batch.id),
+        lambda: other_sdk.batches.cancel(batch.id),
+        lambda: other_sdk.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert caught.value.body["type"] == "not_found_error"
+    assert file_id not in [item.id for item in other_sdk.files.list().data]
+    assert batch.id not in [item.id for item in other_sdk.batches.list().data]
+    with pytest.raises(openai.UnprocessableEntityError):
+        other_sdk.batches.list(after=batch.id)
+    assert sdk.files.retrieve(file_id).id == file_id  # still there for its owner
+
+
+def _native_chat_job(client: FreightClient) -> dict:
+    """QUESTIONS as a native job (messages column, greedy, 8 tokens), finished. Run once before the
+    batch as well: the first job a fresh worker runs can pick another token where two are nearly tied
+    (the prefix cache starts cold), so both jobs compared run on a warm worker."""
+    native = client.submit(
+        pa.table(
+            {
+                "custom_id": [f"q{i}" for i in range(len(QUESTIONS))],
+                "messages": [[{"role": "user", "content": question}] for question in QUESTIONS],
+            }
+        ),
+        max_tokens=8,
+        temperature=0.0,
+    )
+    assert client.wait(native["id"], poll_seconds=0.3, timeout=180)["status"] == "completed"
+    return native
+
+
+def _job_of(db: ServiceDB, batch_id: str) -> str:
+    from sqlalchemy import select
+
+    with db.session() as session:
+        return session.scalar(select(OpenAIBatch.job_id).where(OpenAIBatch.id == batch_id))

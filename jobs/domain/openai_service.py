@@ -22,6 +22,8 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -50,6 +52,7 @@ from storage.status import CANCELLABLE_JOB_STATUSES, COMPLETED_FINISH_REASONS, F
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 MAX_FILENAME_CHARS = 1024
+RESULT_BATCH_ROWS = 4096
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 
 
@@ -334,82 +337,105 @@ class BatchService:
     # ---- output and error files ----------------------------------------------------------------
 
     def _write_outputs(self, session, tenant: str, row: OpenAIBatch, job, status: str) -> None:
-        outputs: list[dict[str, Any]] = []
-        errors = [
-            error_line(
-                batch_id=row.id,
-                key=f"line{error.line}",
-                custom_id=error.custom_id,
-                code=error.code,
-                message=error.message,
-                status_code=400,
-            )
-            for error in map(LineError.from_dict, row.line_errors)
+        """Write the output file (answered rows) and the error file (refused lines, failed rows, rows
+        cancelled or expired), streaming the job's results, and record them unless another reader
+        recorded its own first. A file with no line is not made (its id stays null)."""
+        written: dict[str, tuple[str, str, int]] = {}  # kind -> (file id, blob name, bytes)
+        with ExitStack() as stack:
+            sinks = {}
+            counts = {"output": 0, "error": 0}
+            for kind in ("output", "error"):
+                file_id = openai_store.new_file_id()
+                name = openai_store.file_blob_name(file_id)
+                temp = stack.enter_context(self.blobs.atomic_path(name))
+                sinks[kind] = stack.enter_context(open(temp, "wb"))
+                written[kind] = (file_id, name, 0)
+            for kind, line in self._lines(tenant, row, job, status):
+                sinks[kind].write(jsonl([line]))
+                counts[kind] += 1
+            for kind, sink in sinks.items():
+                file_id, name, _ = written[kind]
+                written[kind] = (file_id, name, sink.tell())
+        for kind in ("output", "error"):
+            if not counts[kind]:
+                self.blobs.delete(written.pop(kind)[1])
+        files = [
+            {
+                "file_id": file_id,
+                "tenant": tenant,
+                "purpose": OUTPUT_PURPOSE,
+                "filename": f"{row.id}_{kind}.jsonl",
+                "size": size,
+                "blob_name": name,
+            }
+            for kind, (file_id, name, size) in written.items()
         ]
-        if job is not None:
-            cancelled_code = "batch_expired" if status == "expired" else "batch_cancelled"
-            created = _ts(job.finished_at) or _ts(utcnow())
-            for record in self._results(tenant, job.id):
-                if record["finish_reason"] in COMPLETED_FINISH_REASONS:
-                    outputs.append(
-                        output_line(
-                            batch_id=row.id,
-                            row_index=record["row_index"],
-                            custom_id=record["custom_id"],
-                            endpoint=row.endpoint,
-                            model=job.model,
-                            created=created,
-                            text=record["output_text"],
-                            finish_reason=record["finish_reason"],
-                            prompt_tokens=record["prompt_tokens"],
-                            output_tokens=record["output_tokens"],
-                        )
-                    )
-                    continue
-                cancelled = record["finish_reason"] == FinishReason.CANCELLED
-                errors.append(
-                    error_line(
-                        batch_id=row.id,
-                        key=str(record["row_index"]),
-                        custom_id=record["custom_id"],
-                        code=cancelled_code if cancelled else "request_failed",
-                        message=record["error"] or "the request failed",
-                        status_code=None,
-                    )
-                )
-        files = []
-        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
-        for key, lines, kind in (("output_file_id", outputs, "output"), ("error_file_id", errors, "error")):
-            if not lines:
-                continue
-            file_id = openai_store.new_file_id()
-            name = openai_store.file_blob_name(file_id)
-            content = jsonl(lines)
-            with self.blobs.atomic_path(name) as temp:
-                temp.write_bytes(content)
-            ids[key] = file_id
-            files.append(
-                {
-                    "file_id": file_id,
-                    "tenant": tenant,
-                    "purpose": OUTPUT_PURPOSE,
-                    "filename": f"{row.id}_{kind}.jsonl",
-                    "size": len(content),
-                    "blob_name": name,
-                }
-            )
+        ids = {
+            f"{kind}_file_id": written[kind][0] if kind in written else None for kind in ("output", "error")
+        }
         if not openai_store.set_outputs(session, row.id, files, **ids):
             for file in files:  # another reader recorded its files first
                 self.blobs.delete(file["blob_name"])
 
-    def _results(self, tenant: str, job_id: str) -> list[dict[str, Any]]:
-        """The job's result rows in row order: its final results file (every row), or, for a job
-        that failed before writing one, the rows stored."""
+    def _lines(self, tenant: str, row: OpenAIBatch, job, status: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """("output" | "error", line) for every request of the batch: refused lines first, then the
+        job's rows in row order."""
+        for error in map(LineError.from_dict, row.line_errors):
+            yield (
+                "error",
+                error_line(
+                    batch_id=row.id,
+                    key=f"line{error.line}",
+                    custom_id=error.custom_id,
+                    code=error.code,
+                    message=error.message,
+                    status_code=400,
+                ),
+            )
+        if job is None:
+            return
+        cancelled_code = "batch_expired" if status == "expired" else "batch_cancelled"
+        created = _ts(job.finished_at) or _ts(utcnow())
+        for record in self._results(tenant, job.id):
+            if record["finish_reason"] in COMPLETED_FINISH_REASONS:
+                yield (
+                    "output",
+                    output_line(
+                        batch_id=row.id,
+                        row_index=record["row_index"],
+                        custom_id=record["custom_id"],
+                        endpoint=row.endpoint,
+                        model=job.model,
+                        created=created,
+                        text=record["output_text"],
+                        finish_reason=record["finish_reason"],
+                        prompt_tokens=record["prompt_tokens"],
+                        output_tokens=record["output_tokens"],
+                    ),
+                )
+                continue
+            cancelled = record["finish_reason"] == FinishReason.CANCELLED
+            yield (
+                "error",
+                error_line(
+                    batch_id=row.id,
+                    key=str(record["row_index"]),
+                    custom_id=record["custom_id"],
+                    code=cancelled_code if cancelled else "request_failed",
+                    message=record["error"] or "the request failed",
+                    status_code=None,
+                ),
+            )
+
+    def _results(self, tenant: str, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job's result rows in row order, a Parquet batch at a time: its final results file
+        (every row), or, for a job that failed before writing one, the rows stored."""
         handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-batch-")
         os.close(handle)
         try:
             path, _final = self.jobs.results_path(tenant, job_id, Path(scratch))
-            return pq.read_table(path).to_pylist()
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=RESULT_BATCH_ROWS):
+                yield from batch.to_pylist()
         finally:
             os.unlink(scratch)
 

@@ -195,3 +195,28 @@ def test_output_and_error_lines_have_the_openai_shape() -> None:
         status_code=None,
     )
     assert error["response"] is None and error["error"] == {"code": "batch_cancelled", "message": "m"}
+
+
+@pytest.mark.parametrize(
+    ("job_status", "expired", "expected"),
+    [
+        (None, False, "failed"),
+        ("validating", False, "validating"),
+        ("queued", False, "in_progress"),
+        ("in_progress", False, "in_progress"),
+        ("finalizing", False, "finalizing"),
+        ("completed", False, "completed"),
+        ("failed", False, "failed"),
+        ("cancelling", False, "cancelling"),
+        ("cancelled", False, "cancelled"),
+        ("cancelling", True, "finalizing"),
+        ("finalizing", True, "finalizing"),
+        ("cancelled", True, "expired"),
+        ("completed", True, "expired"),
+        ("failed", True, "failed"),
+    ],
+)
+def test_the_batch_status_is_read_from_the_job(job_status, expired: bool, expected: str) -> None:
+    from jobs.domain.openai_service import batch_status
+
+    assert batch_status(job_status, expired) == expected

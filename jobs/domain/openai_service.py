@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow.parquet as pq
+from sqlalchemy.orm import Session
 
 from jobs.domain.errors import Conflict, InputError, NotFound, clip_repr
 from jobs.domain.openai_batch import (
@@ -46,7 +47,7 @@ from jobs.domain.schemas import job_params
 from jobs.domain.service import JobService
 from storage import job_store, openai_store
 from storage.blobs import UploadTooLarge
-from storage.models import OpenAIBatch, OpenAIFile, as_utc, utcnow
+from storage.models import Job, OpenAIBatch, OpenAIFile, as_utc, utcnow
 from storage.status import CANCELLABLE_JOB_STATUSES, COMPLETED_FINISH_REASONS, FinishReason, JobStatus
 
 INPUT_PURPOSE = "batch"
@@ -127,7 +128,7 @@ class BatchService:
             )
             return file_object(row)
 
-    def _file(self, session, tenant: str, file_id: str) -> OpenAIFile:
+    def _file(self, session: Session, tenant: str, file_id: str) -> OpenAIFile:
         row = openai_store.get_file(session, file_id, tenant)
         if row is None:
             raise NotFound(f"no file {file_id!r}")
@@ -238,7 +239,7 @@ class BatchService:
             )
         return job.id, parsed.errors, None
 
-    def _batch(self, session, tenant: str, batch_id: str) -> OpenAIBatch:
+    def _batch(self, session: Session, tenant: str, batch_id: str) -> OpenAIBatch:
         row = openai_store.get_batch(session, batch_id, tenant)
         if row is None:
             raise NotFound(f"no batch {batch_id!r}")
@@ -270,7 +271,7 @@ class BatchService:
 
     # ---- the batch object ----------------------------------------------------------------------
 
-    def _view(self, session, tenant: str, row: OpenAIBatch) -> dict[str, Any]:
+    def _view(self, session: Session, tenant: str, row: OpenAIBatch) -> dict[str, Any]:
         job = job_store.get_job(session, row.job_id, tenant=tenant) if row.job_id else None
         if job is not None:
             self._expire_if_due(session, row, job.status)
@@ -325,7 +326,7 @@ class BatchService:
             "errors": {"object": "list", "data": row.errors} if row.errors else None,
         }
 
-    def _expire_if_due(self, session, row: OpenAIBatch, job_status: str) -> None:
+    def _expire_if_due(self, session: Session, row: OpenAIBatch, job_status: str) -> None:
         """A batch past its window whose job still runs: cancel the job, note the expiry."""
         now = utcnow()
         if row.expired_at is not None or now < as_utc(row.expires_at):
@@ -336,7 +337,9 @@ class BatchService:
 
     # ---- output and error files ----------------------------------------------------------------
 
-    def _write_outputs(self, session, tenant: str, row: OpenAIBatch, job, status: str) -> None:
+    def _write_outputs(
+        self, session: Session, tenant: str, row: OpenAIBatch, job: Job | None, status: str
+    ) -> None:
         """Write the output file (answered rows) and the error file (refused lines, failed rows, rows
         cancelled or expired), streaming the job's results, and record them unless another reader
         recorded its own first. A file with no line is not made (its id stays null)."""
@@ -377,7 +380,9 @@ class BatchService:
             for file in files:  # another reader recorded its files first
                 self.blobs.delete(file["blob_name"])
 
-    def _lines(self, tenant: str, row: OpenAIBatch, job, status: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _lines(
+        self, tenant: str, row: OpenAIBatch, job: Job | None, status: str
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         """("output" | "error", line) for every request of the batch: refused lines first, then the
         job's rows in row order."""
         for error in map(LineError.from_dict, row.line_errors):

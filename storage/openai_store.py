@@ -130,6 +130,19 @@ def list_batches(
     return rows[:limit], len(rows) > limit
 
 
+def batches_past_window(session: Session, *, now: datetime) -> list[OpenAIBatch]:
+    """Batches of every tenant whose window has passed and that are not yet noted as expired."""
+    return list(
+        session.scalars(
+            select(OpenAIBatch).where(
+                OpenAIBatch.expired_at.is_(None),
+                OpenAIBatch.job_id.is_not(None),
+                OpenAIBatch.expires_at <= now,
+            )
+        )
+    )
+
+
 def mark_expired(session: Session, batch_id: str, at: datetime) -> bool:
     """Note that the batch passed its window (once: True for the one caller that noted it)."""
     result = session.execute(

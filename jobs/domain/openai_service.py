@@ -11,10 +11,10 @@ job reaches a final status: the API needs no hook in the worker's finalize, and 
 costs nothing. Two readers at once may both write them; one conditional update picks the files that
 count and the other's are deleted.
 
-Expiry is checked on the same reads: a batch read after its `expires_at` whose job is still running
-is cancelled (the job's own cancel: finished rows are kept, the rest are never run) and noted as
-expired; it shows `expired` once the job is final, its unrun rows in the error file as
-`batch_expired`.
+Expiry is checked on the same reads and by the API's recovery sweep (recovery.py), so a batch
+nobody reads expires too: a batch past its `expires_at` whose job still runs is cancelled (the job's
+own cancel: finished rows are kept, the rest are never run) and noted as expired; it shows `expired`
+once the job is final, its unrun rows in the error file as `batch_expired`.
 """
 
 from __future__ import annotations
@@ -327,12 +327,7 @@ class BatchService:
         }
 
     def _expire_if_due(self, session: Session, row: OpenAIBatch, job_status: str) -> None:
-        """A batch past its window whose job still runs: cancel the job, note the expiry."""
-        now = utcnow()
-        if row.expired_at is not None or now < as_utc(row.expires_at):
-            return
-        if job_status in CANCELLABLE_JOB_STATUSES and job_store.request_cancel(session, row.job_id):
-            openai_store.mark_expired(session, row.id, now)
+        if expire_if_due(session, row, job_status, utcnow()):
             session.refresh(row)
 
     # ---- output and error files ----------------------------------------------------------------
@@ -453,3 +448,14 @@ def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+def expire_if_due(session: Session, row: OpenAIBatch, job_status: str, now: datetime) -> bool:
+    """A batch past its window whose job still runs: cancel the job (finished rows are kept) and note
+    the expiry. Called on every read of a batch and by the API's recovery sweep, so a batch nobody reads
+    expires too. True when this call expired it."""
+    if row.expired_at is not None or row.job_id is None or now < as_utc(row.expires_at):
+        return False
+    if job_status in CANCELLABLE_JOB_STATUSES and job_store.request_cancel(session, row.job_id):
+        return openai_store.mark_expired(session, row.id, now)
+    return False

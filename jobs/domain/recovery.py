@@ -20,8 +20,9 @@ from datetime import timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.domain.openai_service import expire_if_due
 from jobs.domain.settings import Settings
-from storage import job_store
+from storage import job_store, openai_store
 from storage.blobs import BlobStore
 from storage.models import Job, utcnow
 from storage.shard_store import idle_shards
@@ -40,6 +41,7 @@ class SweepReport:
     shards_resent: list[tuple[str, int]] = field(default_factory=list)
     finalize_resent: list[str] = field(default_factory=list)
     abandoned_deleted: list[str] = field(default_factory=list)
+    batches_expired: list[str] = field(default_factory=list)  # OpenAI batches past their window
 
 
 def message_work(raw: bytes) -> WorkKey | None:
@@ -96,6 +98,7 @@ class Recovery:
                 job_store.delete_job(session, job_id)
                 self.blobs.delete_job(job_id)
                 report.abandoned_deleted.append(job_id)
+            report.batches_expired = self._expire_batches(session, now)
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):
                     continue  # another deployment's job (its files are elsewhere), or being deleted
@@ -127,6 +130,14 @@ class Recovery:
         # A job younger than one sweep may still be getting its messages from the API that made it.
         settled = now - timedelta(seconds=self.settings.recovery_interval_seconds)
         return job_store.active_jobs(session, created_before=settled)
+
+    def _expire_batches(self, session: Session, now) -> list[str]:
+        expired = []
+        for row in openai_store.batches_past_window(session, now=now):
+            job = job_store.get_job(session, row.job_id)
+            if job is not None and expire_if_due(session, row, job.status, now):
+                expired.append(row.id)
+        return expired
 
     def _abandoned_validations(self, session: Session, now) -> list[str]:
         jobs = job_store.validating_jobs(session, created_before=now - ABANDONED_VALIDATION)

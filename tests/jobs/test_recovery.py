@@ -14,7 +14,7 @@ from sqlalchemy import update
 from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
 from jobs.domain.recovery import Recovery, message_work
 from jobs.domain.settings import Settings
-from storage import job_store
+from storage import job_store, openai_store
 from storage.blobs import BlobStore, input_name
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, utcnow
@@ -127,3 +127,23 @@ def test_a_job_abandoned_mid_validation_is_deleted(recovery: Recovery) -> None:
 def test_messages_that_are_not_ours_are_ignored() -> None:
     assert message_work(b"not json") is None
     assert message_work(b'{"headers": {"task": "other.task"}, "body": "W1tdLCB7fSwge31d"}') is None
+
+
+def test_a_batch_past_its_window_expires_on_a_sweep_with_nobody_reading_it(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=1)
+    on_time_job = old_job(recovery, shards=1)
+    now = utcnow()
+    late, on_time = openai_store.new_batch_id(), openai_store.new_batch_id()
+    with recovery.sessions() as session:
+        for batch_id, job, expires in ((late, job_id, now - timedelta(seconds=1)),
+                                       (on_time, on_time_job, now + timedelta(hours=1))):  # fmt: skip
+            openai_store.add_batch(
+                session, batch_id=batch_id, tenant="recovery", job_id=job,
+                endpoint="/v1/chat/completions", input_file_id="file_x", completion_window="24h",
+                metadata={}, created_at=now - timedelta(hours=24), expires_at=expires, line_errors=[], errors=None,
+            )  # fmt: skip
+    assert recovery.sweep().batches_expired == [late]
+    with recovery.sessions() as session:
+        assert job_store.job_status(session, job_id) == JobStatus.CANCELLING  # finished rows are kept
+        assert job_store.job_status(session, on_time_job) == JobStatus.QUEUED
+    assert recovery.sweep().batches_expired == []  # once

@@ -27,6 +27,7 @@ import torch
 
 from kernels._checks import check_float_tensor, resolve_out_dtype
 from kernels._cpu_build import build_extension
+from kernels.int_mm import int_mm
 from kernels.platform import cpu_info
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def int8_linear_cpu(
     bias = None if bias is None else bias.to(out_dtype).contiguous()
     residual = None if residual is None else residual.to(out_dtype)
     for cols in column_chunks(w_q_t.shape[1]):
-        acc = torch._int_mm(x_q, w_q_t[:, cols])  # [M, n] int32
+        acc = int_mm(x_q, w_q_t[:, cols])  # [M, n] int32
         _extension().dequantize_rows(
             acc,
             x_scale,
@@ -128,8 +129,8 @@ def int8_linear_silu_mul_cpu(
         up_cols = slice(half + cols.start, half + cols.stop)
         w_gate, w_up = w_scale[cols].contiguous(), w_scale[up_cols].contiguous()
         for rows in row_chunks(x.shape[0]):  # the int32 products stay in cache for the epilogue
-            gate = torch._int_mm(x_q[rows], w_q_t[:, cols])  # [m, n] int32
-            up = torch._int_mm(x_q[rows], w_q_t[:, up_cols])
+            gate = int_mm(x_q[rows], w_q_t[:, cols])  # [m, n] int32
+            up = int_mm(x_q[rows], w_q_t[:, up_cols])
             _extension().dequantize_silu_mul(gate, up, x_scale[rows], w_gate, w_up, out[rows, cols])
     return out
 

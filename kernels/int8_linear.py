@@ -20,6 +20,7 @@ from kernels import cpu_int8_linear
 from kernels._checks import FLOAT_DTYPES, INT8_SCALE_EPS, check_float_tensor, check_same_device
 from kernels._dispatch import select_backend
 from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl
+from kernels.int_mm import int_mm
 
 
 @jit
@@ -190,7 +191,7 @@ def int8_linear_torch(
 ) -> torch.Tensor:
     out_dtype = _check_linear_args(x, w_q_t, w_scale, bias, out_dtype)
     x_q, x_scale = quantize_per_token_torch(x)
-    y = torch._int_mm(x_q, w_q_t).float()  # [M, N]
+    y = int_mm(x_q, w_q_t).float()  # [M, N]
     y.mul_(x_scale[:, None]).mul_(w_scale)
     if bias is not None:
         y.add_(bias)

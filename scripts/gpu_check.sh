@@ -4,6 +4,7 @@
 #   2. scripts/kernel_bench.py: each Triton kernel vs the torch path at realistic shapes, as JSON.
 # Outputs (logs, JUnit XML, JSON) go to $OUT if set, else ./gpu_check_out. Uses the machine's python3
 # (the repository's .venv is not valid there) and installs only what is missing; no internet is assumed.
+# Time limits (the lent device allows 600 s a call): TESTS_TIMEOUT_S (330), BENCH_TIMEOUT_S (180).
 # Imports `kernels` straight from the working tree, so the package itself need not be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ EOF
 # model, Postgres); tests/kernels/conftest.py is self-contained.
 log "kernel tests on CUDA"
 set +e
-timeout 420 "$PYTHON" -m pytest tests/kernels -q -rfEs -p no:cacheprovider --confcutdir=tests/kernels \
+timeout "${TESTS_TIMEOUT_S:-330}" "$PYTHON" -m pytest tests/kernels -q -rfEs -p no:cacheprovider --confcutdir=tests/kernels \
   --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
@@ -56,7 +57,7 @@ log "kernel tests exit code: $tests_rc"
 
 log "kernel benchmark"
 set +e
-timeout 300 "$PYTHON" scripts/kernel_bench.py --device cuda --out "$OUT" > "$OUT/kernel_bench.log" 2>&1
+timeout "${BENCH_TIMEOUT_S:-180}" "$PYTHON" scripts/kernel_bench.py --device cuda --out "$OUT" > "$OUT/kernel_bench.log" 2>&1
 bench_rc=$?
 set -e
 tail -c 20000 "$OUT/kernel_bench.log"

@@ -38,7 +38,12 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ b [K, N] int8 -> [M, N] int32, exact (see the module docstring)."""
     if a.device.type != "cpu" or int_mm_exact_on_cpu():
         return torch._int_mm(a, b)
-    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.int32)
+    return int_mm_by_float_slices(a, b)
+
+
+def int_mm_by_float_slices(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] int8 @ b [K, N] int8 -> [M, N] int32 through float32 products of K slices (exact)."""
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.int32, device=a.device)
     for start in range(0, a.shape[1], EXACT_FLOAT_K):
         k = slice(start, start + EXACT_FLOAT_K)
         out += (a[:, k].float() @ b[k].float()).to(torch.int32)

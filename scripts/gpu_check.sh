@@ -14,6 +14,10 @@ mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0
+# The compiled CPU kernels are tested by CI on the CPU machines. Built here against the image's own torch
+# (2.11), one of them died with a segfault on a bad-argument check (2026-12-04) and took the CUDA tests
+# down with it, so this run leaves them out: their tests skip, the Triton and torch paths run.
+export FREIGHT_CPU_KERNELS=0
 START=$(date +%s)
 log() { echo "[gpu_check +$(($(date +%s) - START))s] $*" | tee -a "$OUT/gpu_check.log"; }
 

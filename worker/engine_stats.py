@@ -15,6 +15,8 @@ COUNTERS = (
     "output_tokens",
     "computed_tokens",
     "cached_prompt_tokens",
+    "draft_tokens",
+    "accepted_draft_tokens",
     "padding_tokens",
     "preemptions",
     "batch_size_sum",

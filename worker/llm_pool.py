@@ -56,6 +56,8 @@ class LLMPool:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_cache_memory_gb=settings.kv_cache_memory_gb,
             num_threads=settings.num_threads,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            enable_speculation=settings.enable_speculation,
             cache_dir=str(settings.models_dir),
             engine_thread=True,  # loaded on the main thread, run on the pool's: keep torch on one thread
         )

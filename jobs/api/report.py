@@ -131,6 +131,8 @@ COST_ROWS = (
     ("output_tokens", "output tokens", ""),
     ("computed_tokens", "computed tokens", ""),
     ("cached_prompt_tokens", "prompt tokens from the prefix cache", ""),
+    ("draft_tokens", "speculative draft tokens", ""),
+    ("accepted_draft_tokens", "draft tokens accepted", ""),
     ("padding_tokens", "padding tokens", ""),
     ("documents_split", "documents split into windows", ""),
     ("windows", "summary windows", ""),

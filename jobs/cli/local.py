@@ -87,7 +87,8 @@ def cost_summary(job_id: str, status: str, m: dict[str, Any]) -> str:
             f"(${m['cost_per_million_tokens_usd']:.4f} per million tokens)",
             f"engine: mean batch {m['mean_batch_size']:.1f}, peak KV use {m['peak_kv_utilization']:.1%}, "
             f"{m['preemptions']} preemptions, {m['padding_tokens']:,} padding tokens, "
-            f"{m['computed_tokens']:,} computed tokens, {m['cached_prompt_tokens']:,} prompt tokens from the prefix cache",
+            f"{m['computed_tokens']:,} computed tokens, {m['cached_prompt_tokens']:,} prompt tokens from the prefix cache, "
+            f"{m['accepted_draft_tokens']:,} of {m['draft_tokens']:,} draft tokens accepted",
         ]
     )
 

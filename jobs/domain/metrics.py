@@ -19,8 +19,8 @@ from storage.summary_store import summary_counts
 
 # Engine counters that add up across attempts (each attempt records its own difference).
 SUMMED_STATS = (
-    "steps", "computed_tokens", "cached_prompt_tokens", "padding_tokens", "preemptions", "batch_size_sum",
-    "busy_seconds",
+    "steps", "computed_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens",
+    "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds",
 )
 
 
@@ -47,6 +47,8 @@ def compute_metrics(
         "padding_tokens": int(totals["padding_tokens"]),
         "computed_tokens": int(totals["computed_tokens"]),
         "cached_prompt_tokens": int(totals["cached_prompt_tokens"]),
+        "draft_tokens": int(totals["draft_tokens"]),
+        "accepted_draft_tokens": int(totals["accepted_draft_tokens"]),
         "device_seconds": round(device_seconds, 4),
         "wall_seconds": round(wall, 4),
         "queue_seconds": round(seconds_between(job.created_at, job.started_at or end), 4),

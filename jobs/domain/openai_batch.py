@@ -3,7 +3,7 @@ lines of the output and error files. Pure: no database, no files, no HTTP.
 
 A line is `{"custom_id", "method": "POST", "url", "body"}`; its body takes the chat/completions fields
 Freight runs (model, messages or prompt, max_tokens / max_completion_tokens, temperature, top_p, seed,
-stop, n = 1, response_format text). A problem of one line is that line's error (it goes to the
+stop, n = 1, response_format text / json_object / json_schema: structured_spec.py). A problem of one line is that line's error (it goes to the
 batch's error file); the other lines run. Sampling values are checked by the job's own rules
 (`JobParams` through `job_params`, then the service's `resolve`), so a line is refused for exactly
 what a native job is refused for.
@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from jobs.domain.errors import InputError, clip, clip_repr
 from jobs.domain.schemas import JobParams, job_params
+from jobs.domain.structured_spec import STRUCTURED_COLUMNS, StructuredSpec, as_columns, from_response_format
 from jobs.domain.validation import MAX_CUSTOM_ID_CHARS
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -47,7 +48,6 @@ NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
 CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "response_format", *SAMPLING_FIELDS}
 COMPLETIONS_FIELDS = {"model", "prompt", "echo", *SAMPLING_FIELDS}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-UNSUPPORTED_YET = {"json_object", "json_schema"}
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -90,6 +90,7 @@ class BatchRequest:
     top_p: float | None
     seed: int | None
     stop: tuple[str, ...]
+    structured: StructuredSpec | None = None  # from response_format (chat only)
 
 
 @dataclass
@@ -130,6 +131,11 @@ class ParsedBatch:
         columns["temperature"] = pa.array([r.temperature for r in requests], pa.float64())
         columns["top_p"] = pa.array([r.top_p for r in requests], pa.float64())
         columns["seed"] = pa.array([r.seed for r in requests], pa.int64())
+        if any(r.structured is not None for r in requests):  # the native per-row structured columns
+            rows = [as_columns(r.structured) for r in requests]
+            for name in STRUCTURED_COLUMNS:
+                kind = pa.list_(pa.string()) if name == "choice" else pa.string()
+                columns[name] = pa.array([row[name] for row in rows], kind)
         sink = io.BytesIO()
         pq.write_table(pa.table(columns), sink)
         return sink.getvalue()
@@ -262,7 +268,7 @@ def _parse_body(
     if chat:
         messages = _messages(number, custom_id, body.get("messages"))
         prompt = None
-        _response_format(number, custom_id, body.get("response_format"))
+        structured = _response_format(number, custom_id, body.get("response_format"))
     else:
         if body.get("echo") not in (None, False):
             _fail(number, custom_id, "echo = true is not supported", "body.echo")
@@ -270,6 +276,7 @@ def _parse_body(
         if not isinstance(prompt, str):
             _fail(number, custom_id, "body.prompt must be a string (one prompt a line)", "body.prompt")
         messages = None
+        structured = None
     max_tokens = body.get("max_tokens")
     if chat and body.get("max_completion_tokens") is not None:
         if max_tokens is not None:
@@ -297,6 +304,7 @@ def _parse_body(
         top_p=float(sampling["top_p"]) if "top_p" in sampling else None,
         seed=sampling.get("seed"),
         stop=tuple(params.stop),
+        structured=structured,
     )
 
 
@@ -344,21 +352,11 @@ def _content(number: int, custom_id: str, content: Any, where: str) -> str:
     _fail(number, custom_id, f"{where}.content must be a string or text parts", f"{where}.content")
 
 
-def _response_format(number: int, custom_id: str, value: Any) -> None:
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text" and set(value) == {"type"}:
-        return
-    if kind in UNSUPPORTED_YET:
-        _fail(
-            number,
-            custom_id,
-            f"response_format {kind} is not supported yet (structured output is coming)",
-            "body.response_format",
-            "unsupported_value",
-        )
-    _fail(number, custom_id, 'response_format must be {"type": "text"}', "body.response_format")
+def _response_format(number: int, custom_id: str, value: Any) -> StructuredSpec | None:
+    try:
+        return from_response_format(value)
+    except ValueError as exc:
+        _fail(number, custom_id, str(exc), "body.response_format")
 
 
 def _one_model_and_stop(parsed: ParsedBatch) -> None:

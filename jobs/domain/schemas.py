@@ -6,9 +6,11 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.domain import structured_spec
 from jobs.domain.errors import InputError, clip
+from jobs.domain.structured_spec import StructuredSpec
 from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
 from storage.status import JobStatus
 
@@ -79,6 +81,28 @@ class JobParams(BaseModel):
     id_column: str | None = Field(
         None, description="summarize: input column kept in the output (default: custom_id, id or doc_id)"
     )
+    # Structured output (at most one; a row's non-null column of the same name overrides it).
+    json_schema: str | None = Field(
+        None, description="every output is JSON valid against this JSON schema (an object or its JSON text)"
+    )
+    regex: str | None = Field(None, description="every output matches this regular expression")
+    choice: list[str] | None = Field(
+        None, max_length=structured_spec.MAX_CHOICES, description="every output is one of these strings"
+    )
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_as_text(cls, value: Any) -> Any:
+        return structured_spec.schema_text(value) if value is not None else None
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> JobParams:
+        if structured_spec.from_params(self.json_schema, self.regex, self.choice) and self.task != "generate":
+            raise ValueError("json_schema, regex and choice apply to task generate only")
+        return self
+
+    def structured(self) -> StructuredSpec | None:
+        return structured_spec.from_params(self.json_schema, self.regex, self.choice)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -139,6 +163,7 @@ class ResolvedParams(BaseModel):
     kv_cache_dtype: str
     task: Literal["generate", "summarize"] = "generate"
     summarize: SummarizeSpec | None = None
+    structured: StructuredSpec | None = None  # json_schema / regex / choice (structured_spec.py)
 
 
 class RequestCounts(BaseModel):
@@ -191,6 +216,8 @@ class JobMetrics(BaseModel):
     padding_tokens: int
     computed_tokens: int
     cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV came from the prefix cache")
+    draft_tokens: int = Field(0, description="speculative draft tokens the model verified")
+    accepted_draft_tokens: int = Field(0, description="draft tokens the model agreed with (emitted without a step)")
     device_seconds: float = Field(description="engine busy time, summed over shards")
     wall_seconds: float = Field(description="first shard started to job finished")
     queue_seconds: float = Field(description="job created to first shard started")

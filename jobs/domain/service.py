@@ -81,6 +81,7 @@ class JobService:
             dtype=params.dtype or settings.dtype,
             quantization=None if quantization in (None, "none") else quantization,
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
+            structured=params.structured(),
         )
         return resolved.model_copy(update=by_task)
 

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     num_threads: int | None = None  # torch threads in the worker; None keeps torch's default
+    # engine optimisations, on by default (README "Engine"); off only to measure what they bring
+    enable_prefix_caching: bool = True
+    enable_speculation: bool = True
 
     # Service
     api_url: str = "http://127.0.0.1:8000"  # where the CLI and client find the API

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from jobs.domain.errors import InputError, clip_repr
 from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
 from jobs.domain.schemas import MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.structured_spec import check_column_types, check_column_values
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5
@@ -69,7 +70,10 @@ def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> 
             column="custom_id",
         )
 
-    columns = list(dict.fromkeys([*source.columns, *overrides, *(["custom_id"] if has_custom_id else [])]))
+    structured = check_column_types(schema)  # json_schema / regex / choice row columns
+    columns = list(
+        dict.fromkeys([*source.columns, *overrides, *structured, *(["custom_id"] if has_custom_id else [])])
+    )
     lengths: list[np.ndarray] = []
     seen_ids: set[str] = set()
     duplicates: list[str] = []
@@ -82,6 +86,7 @@ def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> 
             lengths.append(chars)
             for name in overrides:
                 _check_override_values(name, batch.column(name), offset, params, max_model_len)
+            check_column_values(batch, structured, offset)
             if has_custom_id:
                 _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
             offset += batch.num_rows

@@ -122,12 +122,16 @@ def test_completions_lines_hold_a_prompt(check) -> None:
             "line 2: body.messages[0].content: only text parts are supported",
         ),
         (
-            chat_line("b", response_format={"type": "json_object"}),
-            "response_format json_object is not supported yet",
+            chat_line("b", response_format={"type": "xml"}),
+            "line 2: response_format.type must be text, json_object or json_schema",
         ),
         (
             chat_line("b", response_format={"type": "json_schema", "json_schema": {}}),
-            "response_format json_schema is not supported yet",
+            "line 2: response_format.json_schema.name must be",
+        ),
+        (
+            chat_line("b", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+            "line 2: response_format.json_schema.schema must be a JSON object",
         ),
         (chat_line("b", model="other-model"), "line 2: model 'other-model' differs from the batch's"),
         (chat_line("b", stop=["\n"]), "line 2: stop differs from the batch's"),
@@ -220,3 +224,20 @@ def test_the_batch_status_is_read_from_the_job(job_status, expired: bool, expect
     from jobs.domain.openai_service import batch_status
 
     assert batch_status(job_status, expired) == expected
+
+
+def test_response_format_becomes_the_rows_structured_columns(check) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    data = encode(
+        chat_line("a"),
+        chat_line("b", response_format={"type": "json_object"}),
+        chat_line("c", response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}),
+        chat_line("d", response_format={"type": "text"}),
+    )
+    parsed = parse_batch_file(data, CHAT_ENDPOINT, check)
+    assert not parsed.errors
+    table = pq.read_table(io.BytesIO(parsed.to_parquet()))
+    assert table.column("json_schema").to_pylist() == [
+        None, '{"type":"object"}', json.dumps(schema, separators=(",", ":")), None
+    ]
+    assert table.column("regex").null_count == 4 and table.column("choice").null_count == 4

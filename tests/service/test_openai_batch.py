@@ -172,6 +172,43 @@ def test_completions_batch_matches_the_native_job(
         assert outputs[row["custom_id"]]["choices"][0]["text"] == row["output_text"]
 
 
+def test_response_format_constrains_the_lines_outputs(
+    sdk: OpenAI, worker: Process, service_env: ServiceEnv
+) -> None:
+    model = service_env.settings.default_model
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    question = "Name a large city and its population, as JSON."  # bounded fields: the tiny model rambles
+    lines = [
+        chat("schema", question, model, max_tokens=100, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}),
+        chat("object", question, model, max_tokens=60, temperature=0, response_format={"type": "json_object"}),
+        chat("text", question, model, max_tokens=8, temperature=0, response_format={"type": "text"}),
+        chat("bad", question, model, response_format={"type": "json_schema", "json_schema": {"schema": schema}}),
+    ]  # fmt: skip
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_final(sdk, batch.id)
+    assert done.status == "completed" and done.request_counts.failed == 1
+    outputs = {line["custom_id"]: line["response"]["body"] for line in read_lines(sdk, done.output_file_id)}
+    content = {key: body["choices"][0]["message"]["content"] for key, body in outputs.items()}
+    parsed = json.loads(content["schema"])
+    assert set(parsed) == {"city", "population"} and isinstance(parsed["population"], int)
+    assert outputs["schema"]["choices"][0]["finish_reason"] == "stop"
+    # any object: unbounded, so a random-weight model may run out of tokens inside it, but never leaves JSON
+    finish = outputs["object"]["choices"][0]["finish_reason"]
+    assert content["object"].startswith("{")
+    assert finish == "length" or isinstance(json.loads(content["object"]), dict)
+    errors = read_lines(sdk, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert "response_format.json_schema.name" in json.dumps(errors[0])
+
+
 def test_cancel_keeps_what_finished(
     sdk: OpenAI, worker: Process, service_env: ServiceEnv, db: ServiceDB
 ) -> None:

@@ -45,6 +45,11 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_fresh(self) -> int:
+        """Blocks an allocation can take without evicting a cached one."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         """Blocks referenced by at least one sequence."""
         return self.num_blocks - self.num_free
@@ -72,18 +77,29 @@ class BlockManager:
             seq.block_table.append(self._take_fresh())
         self.peak_used = max(self.peak_used, self.num_used)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink `seq`'s block table to what `num_tokens` tokens need (the reverse of allocate): after
+        speculation, blocks that held only rejected draft slots go back."""
+        keep = blocks_for(num_tokens, self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its progress (num_computed_tokens) is the scheduler's to reset."""
         # the tail first, so that a sequence's last blocks are evicted before its (more shared) first ones
         for block in reversed(seq.block_table):
-            self._refs[block] -= 1
-            if self._refs[block] > 0:
-                continue
-            if block in self._hash_of_block:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
+            self._release(block)
         seq.block_table = []
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            return
+        if block in self._hash_of_block:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
 
     def _take_fresh(self) -> int:
         if self._free:

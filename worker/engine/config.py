@@ -31,6 +31,11 @@ class EngineConfig:
     scheduling: Literal["length", "fifo"] = "length"
     # share the KV of full blocks between sequences with the same prompt prefix (block_manager.py)
     enable_prefix_caching: bool = True
+    # prompt-lookup speculative decoding (speculation.py): drafts of up to num_speculative_tokens tokens,
+    # in steps that feed at most speculation_max_rows rows ("auto": the measured small-batch threshold)
+    enable_speculation: bool = True
+    num_speculative_tokens: int = 4
+    speculation_max_rows: int | Literal["auto"] = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models
@@ -44,6 +49,12 @@ class EngineConfig:
             raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
         if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
             raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculation_max_rows != "auto" and not (
+            isinstance(self.speculation_max_rows, int) and self.speculation_max_rows >= 0
+        ):
+            raise ValueError(f"speculation_max_rows must be 'auto' or an int >= 0, got {self.speculation_max_rows!r}")
         if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
         if self.scheduling not in ("length", "fifo"):

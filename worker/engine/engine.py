@@ -13,14 +13,17 @@ from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import LlamaModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.path_plan import plan_cpu_kernels, plan_for
-from worker.engine.sampler import apply_min_tokens, sample, token_logprobs
+from worker.engine.sampler import apply_min_tokens, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
+from worker.engine.speculation import DEFAULT_MAX_ROWS, Speculator, max_rows_from
 from worker.engine.stats import StatsRecorder
-from worker.engine.step_inputs import build_step_inputs, prompt_logprob_rows
+from worker.engine.step_inputs import StepInputs, build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker
+from worker.engine.structured import StructuredDecoder
+from worker.engine.verify import SampleGroup, next_tokens
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
@@ -67,12 +70,17 @@ class LLMEngine:
         salt = f"{config.model}|{scheme.dtype}|{scheme.quantization}|{config.smoothing}|{self.kv_dtype}"
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.blocks)
+        self.speculator = None
+        if config.enable_speculation and config.num_speculative_tokens > 0:
+            rows = self._speculation_rows()
+            self.speculator = Speculator(self.blocks, config.num_speculative_tokens, rows, self.max_model_len)
         self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.finisher = FinishChecker(self.tokenizer, eos, self.max_model_len)
+        self.structured = StructuredDecoder(self.tokenizer, self.model_config.vocab_size, sorted(eos))
         self._next_request_id = 0
         self._rejected: list[Sequence] = []
         self._fallback_generator = torch.Generator(device=self.device).manual_seed(0)
@@ -81,6 +89,13 @@ class LLMEngine:
         if self.config.small_batch_rows != "auto":
             return self.config.small_batch_rows
         return self.plan.small_batch.rows if self.plan.small_batch else 0
+
+    def _speculation_rows(self) -> int:
+        """Steps feeding at most this many rows may speculate (speculation.py)."""
+        if self.config.speculation_max_rows != "auto":
+            return self.config.speculation_max_rows
+        measured = self.plan.small_batch.seconds if self.plan.small_batch else {}
+        return max_rows_from(measured) if measured else DEFAULT_MAX_ROWS
 
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
@@ -121,6 +136,8 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         error = self._why_unfit(seq)
+        if not error and params.structured is not None:
+            error = self.structured.attach(seq)  # compiles the constraint once per engine
         if error:
             self._finish(seq, "error", error)
             self._rejected.append(seq)
@@ -164,23 +181,28 @@ class LLMEngine:
         self.stats.cached_prompt_tokens += scheduled.cached_tokens
         if scheduled.is_empty:
             raise RuntimeError("scheduler made no progress; the KV pool is too small for any waiting request")
+        if self.speculator is not None:
+            self.speculator.propose(scheduled, self.config.max_num_batched_tokens)
         inputs = build_step_inputs(scheduled, self.blocks, self.device)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         for chunk, offset in zip(scheduled.prefills, inputs.prefill_offsets, strict=True):
             if chunk.seq.params.prompt_logprobs:
                 self._collect_prompt_logprobs(hidden, chunk, offset)
         for seq in scheduled.decodes:
-            seq.num_computed_tokens += 1
-            self.blocks.register_full(seq, seq.num_computed_tokens - 1, seq.num_computed_tokens)
+            if seq not in scheduled.drafts:  # speculating ones are settled once their draft is verified
+                seq.num_computed_tokens += 1
+                self.blocks.register_full(seq, seq.num_computed_tokens - 1, seq.num_computed_tokens)
         for chunk in scheduled.prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self.blocks.register_full(chunk.seq, chunk.start, chunk.end)
-        finished.extend(self._sample(hidden, inputs.sample_rows, inputs.sample_seqs))
+        done, rejected_rows = self._sample(hidden, inputs)
+        finished.extend(done)
         for seq in finished:
             if seq in self.scheduler.running:
                 self.scheduler.remove_finished(seq)
         self._recorder.record_step(
-            num_tokens=scheduled.num_tokens,
+            # rows of rejected draft tokens ran through the model but left no K/V (draft_tokens counts them)
+            num_tokens=scheduled.num_tokens - rejected_rows,
             running=len(scheduled.decodes) + len(scheduled.prefills),
             kv_blocks_used=self.blocks.num_used,
             peak_kv_blocks_used=self.blocks.peak_used,
@@ -196,30 +218,71 @@ class LLMEngine:
             target = torch.tensor(targets[i : i + LOGITS_CHUNK_ROWS], device=self.device)
             chunk.seq.prompt_logprobs.extend(token_logprobs(logits, target))
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[Sequence]:
-        if not rows:
-            return []
-        logits = self.model.logits(hidden[rows])  # [num_sampling, vocab] float32
-        apply_min_tokens(logits, [self.finisher.banned_tokens(s) for s in seqs])
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._fallback_generator)
-        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs]
-        if want_logprobs:
-            picked = torch.tensor([tokens[i] for i in want_logprobs], device=self.device)
-            values = token_logprobs(logits[want_logprobs], picked)
-            for i, value in zip(want_logprobs, values, strict=True):
-                seqs[i].logprobs.append(value)
-        self.stats.output_tokens += len(tokens)
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> tuple[list[Sequence], int]:
+        """Emit each sampling sequence's tokens (verify.py); return the finished sequences and the rows
+        of draft tokens that were computed in vain."""
+        seqs, drafts = inputs.sample_seqs, inputs.sample_drafts
+        if not seqs:
+            return [], 0
+        logits = self.model.logits(hidden[inputs.sample_rows])  # [num_rows, vocab] float32
+        apply_min_tokens(logits, [
+            self.finisher.banned_tokens(s, len(s.output_token_ids) + j)
+            for s, d in zip(seqs, drafts, strict=True) for j in range(1 + len(d))
+        ])  # fmt: skip
+        if any(s.params.structured is not None for s in seqs):  # unconstrained steps do no mask work
+            self.structured.apply_masks(logits, seqs, drafts)
+        groups = [SampleGroup(s.params, s.generator, d) for s, d in zip(seqs, drafts, strict=True)]
+        chosen = next_tokens(logits, groups, self._fallback_generator)
+        firsts = [0]  # first logits row of each sequence
+        for d in drafts:
+            firsts.append(firsts[-1] + 1 + len(d))
+        logprobs = self._logprobs(logits, seqs, chosen, firsts)
+        finished, rejected_rows = [], 0
         now = time.monotonic()
-        finished = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.output_token_ids.append(token)
-            if seq.timings.first_token is None:
-                seq.timings.first_token = now
-            reason = self.finisher.check(seq)
-            if reason:
-                self._finish(seq, reason, None)
+        for seq, draft, tokens, values in zip(seqs, drafts, chosen, logprobs, strict=True):
+            start = seq.num_computed_tokens
+            if self._emit(seq, tokens, values, now):
                 finished.append(seq)
-        return finished
+            if draft:
+                self.stats.draft_tokens += len(draft)
+                self.stats.accepted_draft_tokens += len(tokens) - 1
+                computed = self.speculator.settle(seq, start, len(draft), len(tokens) - 1)
+                rejected_rows += 1 + len(draft) - computed
+        return finished, rejected_rows
+
+    def _logprobs(
+        self, logits: torch.Tensor, seqs: list[Sequence], chosen: list[list[int]], firsts: list[int]
+    ) -> list[list[float]]:
+        """Logprob of each chosen token, for the sequences that asked (one batched call)."""
+        rows, tokens = [], []
+        for i, seq in enumerate(seqs):
+            if seq.params.logprobs:
+                rows.extend(range(firsts[i], firsts[i] + len(chosen[i])))
+                tokens.extend(chosen[i])
+        values = token_logprobs(logits[rows], torch.tensor(tokens, device=self.device)) if rows else []
+        out, used = [], 0
+        for seq, picked in zip(seqs, chosen, strict=True):
+            n = len(picked) if seq.params.logprobs else 0
+            out.append(values[used : used + n])
+            used += n
+        return out
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float) -> bool:
+        """Append tokens one at a time through the finish checks; the first finish drops the rest."""
+        if seq.timings.first_token is None:
+            seq.timings.first_token = now
+        for i, token in enumerate(tokens):
+            seq.output_token_ids.append(token)
+            if seq.params.logprobs:
+                seq.logprobs.append(logprobs[i])
+            self.stats.output_tokens += 1
+            reason, error = self.finisher.check(seq), None
+            if reason is None and seq.params.structured is not None:
+                reason, error = self.structured.advance(seq, token)
+            if reason:
+                self._finish(seq, reason, error)
+                return True
+        return False
 
     def _finish(self, seq: Sequence, reason: str, error: str | None) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -33,10 +33,15 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    computed_tokens: int = 0  # tokens run through the model, recompute after preemption included
+    computed_tokens: int = 0  # tokens whose KV the model computed, recompute after preemption included
     # tokens whose KV came from the prefix cache instead of the model (a sequence resumed after
     # preemption counts what it finds again, its own earlier output included)
     cached_prompt_tokens: int = 0
+    # prompt-lookup speculation: draft tokens fed to the model, and those it agreed with (emitted without a
+    # step of their own); rejected ones (the difference) ran through the model too but left no KV, so
+    # computed_tokens does not count them
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     padding_tokens: int = 0
     num_kv_blocks: int = 0
     peak_kv_blocks_used: int = 0
@@ -62,6 +67,8 @@ class EngineStats:
             "output_tokens": self.output_tokens,
             "computed_tokens": self.computed_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
             "padding_tokens": self.padding_tokens,
             "num_kv_blocks": self.num_kv_blocks,
             "peak_kv_blocks_used": self.peak_kv_blocks_used,

@@ -41,14 +41,16 @@ def sample(
 ) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = filtered_probs(logits[row], p)
-        gen = generators[row] or fallback
-        # exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p
-        noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
-        tokens[row] = int((probs / noise).argmax())
+        if not p.greedy:
+            tokens[row] = race(filtered_probs(logits[row], p), generators[row] or fallback)
     return tokens
+
+
+def race(probs: torch.Tensor, generator: torch.Generator) -> int:  # [vocab] -> a token drawn from probs
+    """Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. One vocab-sized draw
+    per token, so a generator's stream advances alike however the tokens are batched (verify.py)."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int((probs / noise).argmax())
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> list[float]:

@@ -45,10 +45,14 @@ class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # tokens admitted sequences took from the prefix cache instead of computing
+    # draft tokens fed after a decode's last token (speculation.py), scored in the same step
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        """Rows the step feeds the model."""
+        num_draft = sum(len(d) for d in self.drafts.values())
+        return len(self.decodes) + num_draft + sum(c.num_tokens for c in self.prefills)
 
     @property
     def is_empty(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from worker.engine.outputs import FinishReason, RequestTimings
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.speculation import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +36,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-request RNG, so a seeded request samples alike in any batch
+    draft_state: DraftState | None = None  # prompt-lookup drafting, made when the sequence first may draft
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,31 +17,39 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of each sampling sequence's last token
+    sample_rows: list[int]  # rows whose logits are sampled: each sampling sequence's last token, then its draft
     sample_seqs: list[Sequence]
+    sample_drafts: list[list[int]]  # per sampling sequence, the draft its rows after the first score
     prefill_offsets: list[int]  # first row of each prefill chunk
 
 
-def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:  # [num_seqs, max_blocks] int32
-    width = max(len(s.block_table) for s in seqs)
+def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:  # [rows, max_blocks] int32
+    width = max(len(t) for t in tables)
     # entries past a sequence's length are never read by the kernels; 0 keeps them in range
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.device) -> StepInputs:
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    decode_tables: list[list[int]] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
-    for row, seq in enumerate(out.decodes):
-        pos = seq.num_computed_tokens
-        ids.append(seq.token_at(pos))
-        positions.append(pos)
-        slots.append(blocks.slot(seq, pos))
-        sample_rows.append(row)
+    sample_drafts: list[list[int]] = []
+    for seq in out.decodes:
+        # a draft's tokens are decode rows too: row j attends to the context up to its own position, whose
+        # K/V this step writes before attending, so k + 1 rows score what k + 1 decode steps would
+        draft = out.drafts.get(seq, [])
+        start = seq.num_computed_tokens
+        for pos, token in enumerate([seq.token_at(start), *draft], start=start):
+            sample_rows.append(len(ids))
+            ids.append(token)
+            positions.append(pos)
+            slots.append(blocks.slot(seq, pos))
+            decode_tables.append(seq.block_table)
         sample_seqs.append(seq)
+        sample_drafts.append(draft)
     num_decodes = len(ids)
 
     query_start_loc = [0]
@@ -56,6 +64,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
         if chunk.samples:
             sample_rows.append(len(ids) - 1)
             sample_seqs.append(chunk.seq)
+            sample_drafts.append([])
 
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -64,9 +73,9 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decode_tokens=num_decodes,
-        decode_block_tables=_block_tables(out.decodes, device) if out.decodes else None,
+        decode_block_tables=_block_tables(decode_tables, device) if out.decodes else None,
         decode_context_lens=i32([p + 1 for p in positions[:num_decodes]]) if out.decodes else None,
-        prefill_block_tables=_block_tables(prefill_seqs, device) if prefill_seqs else None,
+        prefill_block_tables=_block_tables([s.block_table for s in prefill_seqs], device) if prefill_seqs else None,
         prefill_query_start_loc=i32(query_start_loc) if prefill_seqs else None,
         prefill_seq_lens=i32([c.end for c in out.prefills]) if prefill_seqs else None,
     )
@@ -76,6 +85,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
         meta=meta,
         sample_rows=sample_rows,
         sample_seqs=sample_seqs,
+        sample_drafts=sample_drafts,
         prefill_offsets=prefill_offsets,
     )
 

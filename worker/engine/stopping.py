@@ -14,9 +14,10 @@ class FinishChecker:
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def banned_tokens(self, seq: Sequence) -> list[int]:
-        """Tokens that would end the sequence before min_tokens, masked out of its logits."""
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
+    def banned_tokens(self, seq: Sequence, num_output: int | None = None) -> list[int]:
+        """Tokens that would end the sequence before min_tokens, masked out of the logits that choose its
+        output token number `num_output` (by default the next one; a draft's rows choose later ones)."""
+        if (len(seq.output_token_ids) if num_output is None else num_output) >= seq.params.min_tokens:
             return []
         eos = [] if seq.params.ignore_eos else self.eos_token_ids
         return [*eos, *seq.params.stop_token_ids]

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from jobs.domain.prompts import resolve_source
 from jobs.domain.schemas import OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.structured_spec import STRUCTURED_COLUMNS
 from storage import job_store
 from storage.result_store import stored_row_indices
 from storage.shard_store import Claim, claim_shard, get_shard
@@ -97,7 +98,7 @@ def _execute(attempt: Attempt, pool: LLMPool, on_progress: ProgressCallback | No
     input_path = ctx.blobs.path(job.input_name)
     schema = pq.read_schema(input_path)
     source = resolve_source(schema, params.template, params.prompt_column, params.chat)
-    extra = [name for name in (*OVERRIDE_COLUMNS, "custom_id") if name in schema.names]
+    extra = [name for name in (*OVERRIDE_COLUMNS, *STRUCTURED_COLUMNS, "custom_id") if name in schema.names]
     records = read_rows(input_path, todo, list(dict.fromkeys([*source.columns, *extra])))
     llm = pool.get(params)
     before = meter.watch(llm)

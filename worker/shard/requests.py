@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from jobs.domain.schemas import ResolvedParams
+from jobs.domain.structured_spec import StructuredSpec, for_row
 from worker.engine import LLM, SamplingParams
 from worker.engine.outputs import RequestOutput
+from worker.engine.sampling_params import StructuredOutput
 
 Tag = TypeVar("Tag")
 
@@ -59,7 +61,15 @@ def sampling_for(
         top_k=params.top_k,
         seed=seed,
         stop=list(params.stop),
+        structured=engine_structured(for_row(params.structured, record)),
     )
+
+
+def engine_structured(spec: StructuredSpec | None) -> StructuredOutput | None:
+    """The engine's form of a row's constraint (what the grammar engine refuses fails that row there)."""
+    if spec is None:
+        return None
+    return StructuredOutput(spec.kind, tuple(spec.value) if spec.kind == "choice" else spec.value)
 
 
 def stream_requests(

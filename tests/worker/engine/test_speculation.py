@@ -1,0 +1,368 @@
+"""Prompt-lookup speculative decoding: the n-gram drafter and adaptive k on their own, the acceptance rule
+on a fixed distribution, and the engine end to end on a tiny random-weight Llama (float32), where
+speculation must leave every token exactly as it is without it."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from worker.engine import LLM, SamplingParams
+from worker.engine.block_manager import blocks_for
+from worker.engine.speculation import (
+    ACCEPTANCE_FLOOR,
+    DEFAULT_MAX_ROWS,
+    FIRST_BACKOFF_STEPS,
+    DraftState,
+    max_rows_from,
+    propose,
+)
+from worker.engine.verify import verify_draft
+
+T = TypeVar("T")
+BS = 4  # block size: short sequences cross many blocks, so drafts straddle block boundaries
+
+
+# drafter
+
+
+def test_proposes_the_tokens_after_the_longest_matching_ngram() -> None:
+    # [1, 2, 3] occurred at the start (followed by 10, 11, 7); [2, 3] more recently (followed by 20, 21)
+    tokens = [1, 2, 3, 10, 11, 7, 2, 3, 20, 21, 1, 2, 3]
+    assert propose(tokens, k=3) == [10, 11, 7]
+    assert propose(tokens, k=3, max_ngram=2) == [20, 21, 1]
+
+
+def test_proposes_after_the_most_recent_occurrence_and_no_further_than_the_end() -> None:
+    assert propose([1, 2, 5, 1, 2, 6, 1, 2], k=2) == [6, 1]
+    assert propose([4, 5, 4], k=4) == [5, 4]  # the continuation runs into the suffix itself
+    assert propose([1, 2, 3, 4], k=4) == []  # the suffix occurs nowhere earlier
+    assert propose([7], k=4) == [] and propose([], k=4) == []
+
+
+def test_a_byte_match_across_two_tokens_is_not_a_token_match() -> None:
+    def token(raw: bytes) -> int:
+        return int.from_bytes(raw, sys.byteorder)
+
+    a, b, t = token(b"\0\0\0\1"), token(b"\0\1\0\0"), token(b"\0\0\1\0")
+    assert (a.to_bytes(4, sys.byteorder) + b.to_bytes(4, sys.byteorder)).find(
+        t.to_bytes(4, sys.byteorder)
+    ) == 1
+    assert propose([a, b, 7, t], k=2) == []
+    assert propose([t, 9, a, b, 7, t], k=2) == [9, a]
+
+
+def test_k_adapts_to_acceptance_and_a_poor_sequence_pauses() -> None:
+    state = DraftState(k=4, max_k=6)
+    state.observe(proposed=4, accepted=4)
+    assert state.k == 6  # full acceptance: longer drafts
+    state.observe(proposed=6, accepted=6)
+    assert state.k == 6  # capped
+    state.observe(proposed=6, accepted=2)
+    assert state.k == 5 and state.paused_steps == 0
+    for _ in range(20):  # nothing accepted any more: the average falls under the floor
+        if state.paused_steps:
+            break
+        state.observe(proposed=state.k, accepted=0)
+    assert state.paused_steps == FIRST_BACKOFF_STEPS and state.k == 1
+    assert state.acceptance == ACCEPTANCE_FLOOR
+    state.paused_steps = 0
+    state.observe(proposed=1, accepted=0)  # the retry fails: a longer pause
+    assert state.paused_steps == 2 * FIRST_BACKOFF_STEPS
+    state.paused_steps = 0
+    state.observe(proposed=1, accepted=1)  # the retry succeeds: drafting resumes and grows
+    assert state.paused_steps == 0 and state.k == 3 and state.acceptance > ACCEPTANCE_FLOOR
+
+
+# acceptance rule
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+def test_rejection_rule_keeps_the_distribution() -> None:
+    p = [0.1, 0.3, 0.05, 0.25, 0.2, 0.1]  # row 0: the token after the last committed one
+    q = [0.4, 0.1, 0.1, 0.1, 0.2, 0.1]  # row 1: the token after the draft token
+    logits = torch.tensor([p, q]).log()  # [2, vocab]
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    draft, n = 1, 20000
+    first, residual, bonus = [0] * 6, [0] * 6, [0] * 6
+    accepted = 0
+    for _ in range(n):
+        tokens = verify_draft(logits, [draft], params, gen)
+        first[tokens[0]] += 1
+        if tokens[0] == draft:
+            accepted += 1
+            assert len(tokens) == 2
+            bonus[tokens[1]] += 1
+        else:
+            assert len(tokens) == 1
+            residual[tokens[0]] += 1
+    # the draft token is accepted with probability p(draft)
+    assert abs(accepted / n - p[draft]) < 4.5 * (p[draft] * (1 - p[draft]) / n) ** 0.5
+    rest = [0.0 if i == draft else pi / (1 - p[draft]) for i, pi in enumerate(p)]
+    critical = 25.0  # chi-square, 5 degrees of freedom: exceeded with probability < 1e-4
+    assert chi_square(residual, rest) < critical  # a rejection draws from p without the draft, renormalised
+    assert chi_square(first, p) < critical  # so the emitted token is distributed as p
+    assert chi_square(bonus, q) < critical  # and after an acceptance the next one as row 1's
+    # the test can fail: the residual draws are far from p itself, which still holds the draft token
+    assert chi_square(residual, p) > 10 * critical
+
+
+def test_greedy_verification_keeps_the_agreeing_run_plus_one() -> None:
+    logits = torch.nn.functional.one_hot(torch.tensor([5, 6, 7, 8]), 10).float()  # rows choose 5, 6, 7, 8
+    greedy = SamplingParams()
+    gen = torch.Generator()
+    assert verify_draft(logits, [5, 6, 7], greedy, gen) == [5, 6, 7, 8]  # all accepted, plus the bonus
+    assert verify_draft(logits, [5, 9, 7], greedy, gen) == [5, 6]  # the model's own token at the mismatch
+    assert verify_draft(logits[:1], [], greedy, gen) == [5]
+
+
+# engine end to end
+
+OPTIONS = dict(dtype="float32", quantization=None, kv_cache_dtype="auto", block_size=BS)
+# The random tiny model's greedy choices hang on its whole context and never copy, so its drafts are
+# rejected (and a wrong K/V rollback changes its tokens). Its "echo" twin has o_proj scaled by 0.002:
+# the next token then depends mostly on the current one, a prompt that holds its own continuation is
+# copied, drafts are mostly accepted, and attention still moves some choices.
+ECHO_ATTENTION_SCALE = 0.002
+
+
+@pytest.fixture(scope="module")
+def tiny_echo_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_echo")
+    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name in tensors:
+            if name.endswith("o_proj.weight"):
+                tensors[name] = tensors[name] * ECHO_ATTENTION_SCALE
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 49000) for _ in range(n)]
+
+
+def repetitive(seed: int, count: int) -> list[list[int]]:
+    """Prompts that repeat themselves, and random ones."""
+    rng = random.Random(seed)
+    batch = [tokens(rng, rng.randrange(4, 12)) * rng.randrange(2, 5) for _ in range(count)]
+    return batch + [tokens(rng, rng.randrange(3, 30)) for _ in range(count // 2)]
+
+
+def self_quoting(llm: LLM, seed: int, count: int) -> list[list[int]]:
+    """P + G + P, G being the model's own greedy continuation of P: an echo model continues with G again,
+    which the drafter finds after the first P (as a summary finds phrases in its document)."""
+    rng = random.Random(seed)
+    starts = [tokens(rng, rng.randrange(4, 16)) for _ in range(count)]
+    outs = llm.generate(starts, SamplingParams(max_tokens=rng.randrange(20, 40), ignore_eos=True))
+    return [p + o.output_token_ids + p for p, o in zip(starts, outs, strict=True)]
+
+
+def checking_trims(llm: LLM) -> LLM:
+    """After each verification a sequence holds no block past its tokens: rejected slots' blocks went back."""
+    settle = llm.engine.speculator.settle
+
+    def trimmed(seq, start: int, proposed: int, accepted: int) -> int:
+        computed = settle(seq, start, proposed, accepted)
+        assert len(seq.block_table) <= blocks_for(seq.num_tokens, BS)
+        return computed
+
+    llm.engine.speculator.settle = trimmed
+    return llm
+
+
+@pytest.fixture(scope="module")
+def off(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), num_kv_blocks=2000, enable_speculation=False, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def on(tiny_llama_dir) -> LLM:
+    return checking_trims(LLM(str(tiny_llama_dir), num_kv_blocks=2000, speculation_max_rows=64, **OPTIONS))
+
+
+@pytest.fixture(scope="module")
+def echo_off(tiny_echo_dir) -> LLM:
+    return LLM(str(tiny_echo_dir), num_kv_blocks=2000, enable_speculation=False, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def echo_on(tiny_echo_dir) -> LLM:
+    return checking_trims(LLM(str(tiny_echo_dir), num_kv_blocks=2000, speculation_max_rows=64, **OPTIONS))
+
+
+def assert_released(llm: LLM) -> None:
+    blocks = llm.engine.blocks
+    assert not llm.engine.has_unfinished()
+    assert all(blocks.ref_count(b) == 0 for b in range(blocks.num_blocks))
+    assert blocks.num_used == 0 and blocks.num_free == blocks.num_blocks
+
+
+def drafted(llm: LLM, run: Callable[[], T]) -> tuple[T, int, int]:
+    """run()'s result, and the draft tokens proposed and accepted while it ran."""
+    before = (llm.stats.draft_tokens, llm.stats.accepted_draft_tokens)
+    result = run()
+    return result, llm.stats.draft_tokens - before[0], llm.stats.accepted_draft_tokens - before[1]
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one sequence", "batch"])
+def test_same_greedy_tokens_with_speculation_on_and_off(off, on, echo_off, echo_on, single: bool) -> None:
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for plain, spec, batch, echo in [
+        (off, on, repetitive(seed=1, count=6), False),
+        (echo_off, echo_on, self_quoting(echo_off, seed=1, count=6) + repetitive(seed=2, count=2), True),
+    ]:
+        groups = [[p] for p in batch[:2] + batch[-1:]] if single else [batch]
+        proposed = accepted = 0
+        for group in groups:
+            expected = [o.output_token_ids for o in plain.generate(group, params)]
+            got, p, a = drafted(spec, lambda group=group, spec=spec: spec.generate(group, params))
+            assert [o.output_token_ids for o in got] == expected
+            proposed, accepted = proposed + p, accepted + a
+        assert proposed > 0, "speculation was meant to run"
+        if echo:
+            assert accepted > 0, "the echo model copies itself: drafts were meant to be accepted"
+        else:
+            assert accepted < proposed  # drafts were rejected: rollbacks ran
+        assert_released(spec)
+
+
+def test_token_accounting_with_speculation(echo_off: LLM, echo_on: LLM) -> None:
+    batch = self_quoting(echo_off, seed=3, count=4)
+    n = 30
+    before = echo_on.stats.as_dict()
+    echo_on.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
+    after = echo_on.stats.as_dict()
+    spent = {name: after[name] - before[name] for name in after if isinstance(after[name], int | float)}
+    assert spent["accepted_draft_tokens"] > 0 and spent["output_tokens"] == len(batch) * n
+    # rejected draft rows leave no KV: every prompt token but the cached ones, and every output token
+    # but the last, is computed exactly once
+    prompt = sum(map(len, batch))
+    assert spent["computed_tokens"] == prompt - spent["cached_prompt_tokens"] + len(batch) * (n - 1)
+    # accepted drafts are tokens emitted without a step of their own: every sequence took fewer than n
+    assert spent["steps"] < n
+
+
+def test_seeded_sampling_alone_in_a_batch_and_without_speculation(echo_off: LLM, echo_on: LLM) -> None:
+    batch = self_quoting(echo_off, seed=4, count=8)
+    target = batch[0]
+    params = SamplingParams(max_tokens=30, temperature=0.05, top_p=0.95, top_k=50, seed=77, ignore_eos=True)
+    alone, proposed, accepted = drafted(
+        echo_on, lambda: echo_on.generate([target], params)[0].output_token_ids
+    )
+    assert proposed > 0 and accepted > 0, (proposed, accepted)
+    others = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in range(5, 12)]
+    in_batch = echo_on.generate(batch[1:] + [target], [*others, params])[-1].output_token_ids
+    assert in_batch == alone
+    # one race per emitted token from the request's generator: the same tokens as plain decoding
+    assert echo_off.generate([target], params)[0].output_token_ids == alone
+    assert_released(echo_on)
+
+
+def test_max_tokens_stop_strings_and_min_tokens_inside_a_draft(echo_off: LLM, echo_on: LLM) -> None:
+    off, on = echo_off, echo_on
+    batch = self_quoting(off, seed=5, count=8)
+    lengths = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True) for n in range(3, 3 + len(batch))]
+    expected = off.generate(batch, lengths)
+    got, proposed, accepted = drafted(on, lambda: on.generate(batch, lengths))
+    assert proposed > 0 and accepted > 0
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
+    for g, e in zip(got, expected, strict=True):
+        assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+    # stop strings cut from the middle of each output, stop tokens banned until min_tokens
+    full = off.generate(batch, SamplingParams(max_tokens=40, ignore_eos=True))
+    params = []
+    for out in full:
+        text, ids = out.text, out.output_token_ids
+        params.append(SamplingParams(max_tokens=40, ignore_eos=True, stop=[text[len(text) // 2 :][:3]]))
+        params.append(SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[ids[12]], min_tokens=8))
+    doubled = [p for p in batch for _ in range(2)]
+    expected = off.generate(doubled, params)
+    got, proposed, accepted = drafted(on, lambda: on.generate(doubled, params))
+    assert proposed > 0 and accepted > 0
+    assert [(o.output_token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.output_token_ids, o.text, o.finish_reason) for o in expected
+    ]
+    assert sum(o.finish_reason == "stop" for o in got) >= len(batch)
+    assert_released(on)
+
+
+def test_blocks_with_prefix_caching_and_preemption(echo_off: LLM, tiny_echo_dir) -> None:
+    rng = random.Random(6)
+    shared = tokens(rng, 20)
+    batch = [shared + p for p in self_quoting(echo_off, seed=7, count=8)] + repetitive(seed=8, count=8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.output_token_ids for o in echo_off.generate(batch, params)]
+    small = LLM(str(tiny_echo_dir), num_kv_blocks=60, speculation_max_rows=256, **OPTIONS)
+    blocks = small.engine.blocks
+    slot = blocks.slot
+
+    def own_slot(seq, position: int) -> int:  # every K/V write lands in a block no one else reads
+        block = seq.block_table[position // BS]
+        assert blocks.ref_count(block) == 1 and block not in blocks._hash_of_block
+        return slot(seq, position)
+
+    blocks.slot = own_slot
+    checking_trims(small)
+    got = [o.output_token_ids for o in small.generate(batch, params)]
+    assert small.stats.preemptions > 0, "pool was meant to be too small for the batch"
+    assert small.stats.cached_prompt_tokens > 0
+    assert small.stats.draft_tokens > 0 and small.stats.accepted_draft_tokens > 0
+    assert got == expected
+    assert_released(small)
+
+
+def test_no_drafts_in_a_step_over_the_row_bound(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=2000, speculation_max_rows=8, **OPTIONS)
+    speculator = llm.engine.speculator
+    steps = []
+    propose_drafts = speculator.propose
+
+    def recording(out, max_num_batched_tokens: int) -> None:
+        propose_drafts(out, max_num_batched_tokens)
+        steps.append((out.num_tokens, sum(map(len, out.drafts.values()))))
+
+    speculator.propose = recording
+    batch = repetitive(seed=9, count=12)  # 18 sequences decoding together: 18 rows > 8
+    llm.generate(batch, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert llm.stats.draft_tokens == 0
+    assert all(drafts == 0 for _, drafts in steps)
+    # as the batch drains to a few sequences, the tail speculates, within the bound
+    lengths = [SamplingParams(max_tokens=8 if i else 60, ignore_eos=True) for i in range(len(batch))]
+    steps.clear()
+    llm.generate(batch, lengths)
+    assert llm.stats.draft_tokens > 0
+    assert all(rows <= 8 for rows, drafts in steps if drafts)
+
+
+def test_auto_row_bound_and_off_switch(tiny_llama_dir) -> None:
+    auto = LLM(str(tiny_llama_dir), num_kv_blocks=100, **OPTIONS)
+    assert auto.engine.speculator.max_rows == DEFAULT_MAX_ROWS  # float32: no small-batch measurement
+    assert (
+        LLM(str(tiny_llama_dir), num_kv_blocks=100, enable_speculation=False, **OPTIONS).engine.speculator
+        is None
+    )
+    with pytest.raises(ValueError, match="speculation_max_rows"):
+        LLM(str(tiny_llama_dir), speculation_max_rows=-1, **OPTIONS)
+
+
+def test_auto_row_bound_from_the_small_batch_measurement() -> None:
+    # seconds of one pass over the projections (2-core AVX-512 VM, float32 activations, INT8 weights)
+    seconds = {"1/small": 4.05, "1/library": 6.34, "4/small": 5.79, "4/library": 6.98, "16/small": 10.9,
+               "16/library": 7.59, "32/small": 17.3, "32/library": 8.85, "64/small": 29.6, "64/library": 11.0}  # fmt: skip
+    assert max_rows_from(seconds) == 16  # 7.59 <= 2 x 4.05 < 8.85
+    assert max_rows_from({"1/small": 1.0, "4/small": 3.0}) == 1

@@ -1,0 +1,193 @@
+"""Prompt-lookup speculative decoding: drafts read from a sequence's own tokens, verified in one step.
+
+Drafting: for each decoding sequence, the longest suffix n-gram of its tokens (MAX_NGRAM tokens down to
+1) that also occurs earlier in its prompt or output, at its most recent earlier occurrence, proposes the
+tokens that followed it there. A summary copies names, numbers and phrases from its document, so such a
+lookup costs microseconds and needs no second model. The step feeds the sequence's last token and its k
+draft tokens as 1 + k decode rows (row j attends to the context up to its own position, through the
+paged decode kernel, exactly as k + 1 plain decodes would), and verify.py keeps the longest agreeing
+run plus one token. KV slots of rejected draft tokens count as uncomputed and their blocks are trimmed.
+
+How many tokens (adaptive k, per sequence): k starts at num_speculative_tokens, grows by 2 after a
+fully accepted draft and shrinks by 1 after a rejection. An exponential average of the accepted share
+of proposed tokens below ACCEPTANCE_FLOOR pauses the sequence's drafting for a backoff of steps that
+doubles with each pause (a retry with k = 1 after it), so a sequence that does not copy stops paying.
+
+When (the on/off rule, per step): speculation pays only where extra rows are almost free. A decode step
+over a few sequences is bound by reading the weights once, however many rows it multiplies; a step of
+many rows is bound by arithmetic, where a draft's k rows cost about k decodes and return fewer tokens.
+So a step speculates only while the rows it feeds (its decodes, their drafts and its prefill tokens) stay
+within `speculation_max_rows`. "auto" reads the engine's small-batch measurement (small_batch_plan.py:
+one pass over the model's INT8 projections at 1, 4, 16, 32, 64 and 128 rows, by the faster of our
+kernel and the library GEMM) and takes the largest measured batch whose pass costs at most
+MAX_COST_RATIO times a one-row pass: within it a step with drafts costs at most twice a plain one, so
+it pays once drafts add about one accepted token per sequence (a 4-token draft at the acceptance floor
+below adds 1.2). The 2-core AVX-512 VM here
+measured 4.1 ms at 1 row, 7.6 ms at 16, 8.8 ms at 32 (float32 activations): bound 16. The small-batch
+threshold itself (where our kernel stops beating the library, 4 rows on that VM) is no measure of
+the cost of rows, so it is not used. Without a measurement (float compute, CUDA) the bound is
+DEFAULT_MAX_ROWS. The rows left under the bound go to the sequences with the best acceptance first. In a
+full batch (a shard's bulk) nothing is drafted and nothing is spent; at a shard's tail, or in a job of
+a few long documents, the batch drops under the bound and drafting starts.
+
+Draft slots always lie past a sequence's committed tokens, in blocks it allocated itself (never shared:
+cached blocks are full blocks of committed tokens), and drafts take only blocks on the free list, so
+they never evict a cached block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # sequence.py holds a DraftState: these import this module
+    from worker.engine.block_manager import BlockManager
+    from worker.engine.scheduler import SchedulerOutput
+    from worker.engine.sequence import Sequence
+
+MAX_COST_RATIO = 2.0  # "auto" row bound: the largest batch whose projections cost at most this x one row
+MAX_NGRAM = 4  # longest suffix looked up; longer matches are rarer and 4 tokens already pin a phrase
+DEFAULT_MAX_ROWS = 16  # row bound where nothing was measured (float compute, CUDA)
+ACCEPTANCE_FLOOR = 0.3  # below this average accepted share a sequence pauses drafting
+ACCEPTANCE_WEIGHT = 0.25  # weight of the newest verification in the average
+FIRST_BACKOFF_STEPS = 8
+MAX_BACKOFF_STEPS = 256
+TOKEN_BYTES = array("i").itemsize  # token ids are stored as native int32 in the search buffer
+
+
+def max_rows_from(seconds: dict[str, float]) -> int:
+    """The "auto" row bound from a small-batch measurement ({"<rows>/small" | "<rows>/library": seconds}):
+    the largest measured batch whose pass, by the faster path, costs at most MAX_COST_RATIO one-row passes."""
+    best = {}
+    for key, value in seconds.items():
+        rows = int(key.split("/")[0])
+        best[rows] = min(best.get(rows, value), value)
+    if 1 not in best:
+        return DEFAULT_MAX_ROWS
+    return max(rows for rows, value in best.items() if value <= MAX_COST_RATIO * best[1])
+
+
+def lookup(history: bytes | bytearray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram.
+
+    history: the sequence's tokens as int32 (array("i") bytes). bytes.rfind does the search in C; a hit
+    not aligned to a token boundary is skipped by searching again before it.
+    """
+    num_tokens = len(history) // TOKEN_BYTES
+    for n in range(min(max_ngram, num_tokens - 1), 0, -1):
+        pattern = bytes(history[-n * TOKEN_BYTES :])
+        # an earlier occurrence must end by the last token, so that at least one token follows it
+        end = (num_tokens - 1) * TOKEN_BYTES
+        while (hit := history.rfind(pattern, 0, end)) >= 0:
+            if hit % TOKEN_BYTES == 0:
+                first = hit // TOKEN_BYTES + n
+                last = min(first + k, num_tokens)
+                return array("i", history[first * TOKEN_BYTES : last * TOKEN_BYTES]).tolist()
+            end = hit + len(pattern) - 1
+    return []
+
+
+def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """lookup() over a plain token list."""
+    return lookup(array("i", tokens).tobytes(), k, max_ngram)
+
+
+@dataclass
+class DraftState:
+    """One sequence's drafting: its tokens as a search buffer, and what its acceptance earned it."""
+
+    k: int  # draft length to propose next
+    max_k: int
+    acceptance: float = 1.0  # average accepted share of proposed tokens (optimistic until measured)
+    paused_steps: int = 0  # decode steps left without drafting
+    backoff: int = FIRST_BACKOFF_STEPS  # length of the next pause
+    history: bytearray = field(default_factory=bytearray)  # [num_tokens] int32
+
+    def sync(self, seq: Sequence) -> None:
+        """Append the tokens the sequence gained since the last lookup (tokens never change)."""
+        have = len(self.history) // TOKEN_BYTES
+        if have < seq.num_tokens:
+            self.history += array("i", seq.tokens(have, seq.num_tokens)).tobytes()
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Adapt k and the pause to one verification of `proposed` draft tokens."""
+        w = ACCEPTANCE_WEIGHT
+        self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
+        if accepted == proposed:
+            self.k = min(self.max_k, self.k + 2)
+            self.backoff = FIRST_BACKOFF_STEPS
+        else:
+            self.k = max(1, self.k - 1)
+        if self.acceptance < ACCEPTANCE_FLOOR:
+            self.paused_steps = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF_STEPS)
+            # one accepted retry lifts it back over the floor, one rejected pauses it again for longer
+            self.acceptance = ACCEPTANCE_FLOOR
+            self.k = 1
+
+
+class Speculator:
+    """Chooses the drafts of a step (within the row bound) and settles them once the model has scored them."""
+
+    def __init__(
+        self, blocks: BlockManager, num_speculative_tokens: int, max_rows: int, max_model_len: int
+    ) -> None:
+        self.blocks = blocks
+        self.max_k = num_speculative_tokens
+        self.max_rows = max_rows
+        self.max_model_len = max_model_len
+
+    def propose(self, out: SchedulerOutput, max_num_batched_tokens: int) -> None:
+        """Give the step's decodes their drafts (out.drafts) while its rows stay within the bound, and
+        allocate the draft slots."""
+        budget = min(self.max_rows, max_num_batched_tokens) - out.num_tokens
+        if budget <= 0 or self.max_k == 0:
+            return
+        for seq in sorted(out.decodes, key=self._priority):
+            if budget <= 0:
+                break
+            state = self._state(seq)
+            if state.paused_steps > 0:
+                state.paused_steps -= 1
+                continue
+            k = min(state.k, budget, self._room(seq))
+            if k <= 0:
+                continue
+            state.sync(seq)
+            draft = lookup(state.history, k)
+            if draft:
+                self.blocks.allocate(seq, seq.num_tokens + len(draft))
+                out.drafts[seq] = draft
+                budget -= len(draft)
+
+    def _priority(self, seq: Sequence) -> tuple[float, int]:
+        state = seq.draft_state
+        return (-(state.acceptance if state else 1.0), seq.request_id)
+
+    def _state(self, seq: Sequence) -> DraftState:
+        if seq.draft_state is None:
+            seq.draft_state = DraftState(k=self.max_k, max_k=self.max_k)
+        return seq.draft_state
+
+    def _room(self, seq: Sequence) -> int:
+        """Most draft tokens worth feeding: the emitted tokens (draft + 1) must fit max_tokens and
+        max_model_len, and the draft slots blocks from the free list (taking a cached block would evict it)."""
+        fits_output = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        fits_model = self.max_model_len - seq.num_tokens
+        bs = self.blocks.block_size
+        fits_blocks = (len(seq.block_table) + self.blocks.num_fresh) * bs - seq.num_tokens
+        return min(fits_output, fits_model, fits_blocks)
+
+    def settle(self, seq: Sequence, start: int, proposed: int, accepted: int) -> int:
+        """After the step: `seq` fed positions [start, start + 1 + proposed) and the model agreed with
+        `accepted` draft tokens. Slots past the tokens it kept count as uncomputed; blocks past its tokens
+        go back; newly full blocks of committed tokens are registered. Returns the tokens computed."""
+        # K/V are valid for the fed last token and the accepted drafts, as far as the sequence kept them
+        # (a finish inside the draft drops the rest)
+        seq.num_computed_tokens = min(start + 1 + accepted, seq.num_tokens)
+        self.blocks.trim(seq, seq.num_tokens)
+        self.blocks.register_full(seq, start, seq.num_computed_tokens)
+        if seq.draft_state is not None:
+            seq.draft_state.observe(proposed, accepted)
+        return seq.num_computed_tokens - start

@@ -103,11 +103,12 @@ def main() -> None:
         batch = prompts_for(llm, args.docs, rows, args.max_tokens, args.window_tokens)
         results[speculation] = run(llm, batch, params)
         scheme = llm.engine.plan.scheme.name
-        bound = llm.engine.speculator.max_rows if llm.engine.speculator else None
+        spec = llm.engine.speculator
+        bound = None if spec is None else ("priced rows" if spec.step_cost else f"{spec.max_rows} rows")
         del llm
     lengths = [len(p) for p in batch]
     print(f"{args.docs}: {rows} rows, prompts {min(lengths)}-{max(lengths)} tokens, up to {args.max_tokens} "
-          f"output tokens each; {scheme}; speculation row bound {bound}")  # fmt: skip
+          f"output tokens each; {scheme}; speculation rule: {bound}")  # fmt: skip
     for speculation, r in results.items():
         rate = r["accepted_draft_tokens"] / r["draft_tokens"] if r["draft_tokens"] else 0.0
         print(f"speculation {'on ' if speculation else 'off'}: {r['output_tokens']:6,} output tokens in "

@@ -32,7 +32,8 @@ class EngineConfig:
     # share the KV of full blocks between sequences with the same prompt prefix (block_manager.py)
     enable_prefix_caching: bool = True
     # prompt-lookup speculative decoding (speculation.py): drafts of up to num_speculative_tokens tokens,
-    # in steps that feed at most speculation_max_rows rows ("auto": the measured small-batch threshold)
+    # where they pay ("auto": rows priced by the small-batch measurement, speculation.py) or in steps that
+    # feed at most speculation_max_rows rows
     enable_speculation: bool = True
     num_speculative_tokens: int = 4
     speculation_max_rows: int | Literal["auto"] = "auto"

@@ -18,8 +18,9 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
-from worker.engine.speculation import DEFAULT_MAX_ROWS, Speculator, max_rows_from
+from worker.engine.speculation import DEFAULT_MAX_ROWS, Speculator
 from worker.engine.stats import StatsRecorder
+from worker.engine.step_cost import StepCost
 from worker.engine.step_inputs import StepInputs, build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker
 from worker.engine.structured import StructuredDecoder
@@ -70,10 +71,7 @@ class LLMEngine:
         salt = f"{config.model}|{scheme.dtype}|{scheme.quantization}|{config.smoothing}|{self.kv_dtype}"
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.blocks)
-        self.speculator = None
-        if config.enable_speculation and config.num_speculative_tokens > 0:
-            rows = self._speculation_rows()
-            self.speculator = Speculator(self.blocks, config.num_speculative_tokens, rows, self.max_model_len)
+        self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
         self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)
@@ -90,12 +88,15 @@ class LLMEngine:
             return self.config.small_batch_rows
         return self.plan.small_batch.rows if self.plan.small_batch else 0
 
-    def _speculation_rows(self) -> int:
-        """Steps feeding at most this many rows may speculate (speculation.py)."""
+    def _speculator(self) -> Speculator:
+        """Drafts priced by the small-batch measurement where there is one ("auto"), else bounded by rows."""
+        k, max_len = self.config.num_speculative_tokens, self.max_model_len
         if self.config.speculation_max_rows != "auto":
-            return self.config.speculation_max_rows
-        measured = self.plan.small_batch.seconds if self.plan.small_batch else {}
-        return max_rows_from(measured) if measured else DEFAULT_MAX_ROWS
+            return Speculator(self.blocks, k, max_len, max_rows=self.config.speculation_max_rows)
+        cost = StepCost.from_measurement(self.plan.small_batch.seconds) if self.plan.small_batch else None
+        if cost is None:
+            return Speculator(self.blocks, k, max_len, max_rows=DEFAULT_MAX_ROWS)
+        return Speculator(self.blocks, k, max_len, step_cost=cost)
 
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""

@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding: drafts read from a sequence's own tokens, verified in one step.
 
 Drafting: for each decoding sequence, the longest suffix n-gram of its tokens (MAX_NGRAM tokens down to
-1) that also occurs earlier in its prompt or output, at its most recent earlier occurrence, proposes the
+MIN_NGRAM) that also occurs earlier in its prompt or output, at its most recent earlier occurrence, proposes the
 tokens that followed it there. A summary copies names, numbers and phrases from its document, so such a
 lookup costs microseconds and needs no second model. The step feeds the sequence's last token and its k
 draft tokens as 1 + k decode rows (row j attends to the context up to its own position, through the
@@ -13,22 +13,20 @@ fully accepted draft and shrinks by 1 after a rejection. An exponential average 
 of proposed tokens below ACCEPTANCE_FLOOR pauses the sequence's drafting for a backoff of steps that
 doubles with each pause (a retry with k = 1 after it), so a sequence that does not copy stops paying.
 
-When (the on/off rule, per step): speculation pays only where extra rows are almost free. A decode step
-over a few sequences is bound by reading the weights once, however many rows it multiplies; a step of
-many rows is bound by arithmetic, where a draft's k rows cost about k decodes and return fewer tokens.
-So a step speculates only while the rows it feeds (its decodes, their drafts and its prefill tokens) stay
-within `speculation_max_rows`. "auto" reads the engine's small-batch measurement (small_batch_plan.py:
-one pass over the model's INT8 projections at 1, 4, 16, 32, 64 and 128 rows, by the faster of our
-kernel and the library GEMM) and takes the largest measured batch whose pass costs at most
-MAX_COST_RATIO times a one-row pass: within it a step with drafts costs at most twice a plain one, so
-it pays once drafts add about one accepted token per sequence (a 4-token draft at the acceptance floor
-below adds 1.2). The 2-core AVX-512 VM here
-measured 4.1 ms at 1 row, 7.6 ms at 16, 8.8 ms at 32 (float32 activations): bound 16. The small-batch
-threshold itself (where our kernel stops beating the library, 4 rows on that VM) is no measure of
-the cost of rows, so it is not used. Without a measurement (float compute, CUDA) the bound is
-DEFAULT_MAX_ROWS. The rows left under the bound go to the sequences with the best acceptance first. In a
-full batch (a shard's bulk) nothing is drafted and nothing is spent; at a shard's tail, or in a job of
-a few long documents, the batch drops under the bound and drafting starts.
+When (the on/off rule, per step): speculation pays only where extra rows are cheap. A decode step over
+a few sequences is bound by reading the weights once, however many rows it multiplies; a step of many
+rows is bound by arithmetic, where a draft's k rows cost about k decodes and return fewer tokens. With
+"auto" and a small-batch measurement (INT8 on CPU), the step prices rows with it (step_cost.py) and
+takes each draft, best acceptance first, only while it raises the step's useful rows per second by a
+margin: a draft of k tokens adds acceptance x k useful rows (its sequence's average accepted share) for
+cost(rows + k) - cost(rows); it is taken when that marginal rate is at least PAY_MARGIN times the
+step's average (every prefill token and decode row counts one useful row). On the 2-core AVX-512 VM
+(bfloat16 + W8A8) a 16-row decode step costs 18.4 ms and 80 rows 33.2 ms: sixteen 4-token drafts
+at 84% acceptance take the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a
+few long documents drafts; at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average,
+which no acceptance below 100% repays with the margin, so a full batch (a shard's bulk) drafts
+nothing. Without a measurement (float compute, CUDA) a step drafts while its rows stay within
+DEFAULT_MAX_ROWS; an integer `speculation_max_rows` is such a bound too, with no pricing.
 
 Draft slots always lie past a sequence's committed tokens, in blocks it allocated itself (never shared:
 cached blocks are full blocks of committed tokens), and drafts take only blocks on the free list, so
@@ -45,10 +43,15 @@ if TYPE_CHECKING:  # sequence.py holds a DraftState: these import this module
     from worker.engine.block_manager import BlockManager
     from worker.engine.scheduler import SchedulerOutput
     from worker.engine.sequence import Sequence
+    from worker.engine.step_cost import StepCost
 
-MAX_COST_RATIO = 2.0  # "auto" row bound: the largest batch whose projections cost at most this x one row
+PAY_MARGIN = 1.25  # a draft's marginal useful rows per second must beat the step's average by this
 MAX_NGRAM = 4  # longest suffix looked up; longer matches are rarer and 4 tokens already pin a phrase
+# shortest suffix looked up: on 16 long-document summaries (bfloat16 + W8A8) 1- and 2-token matches
+# proposed drafts the model took 4.9% and 4.2% of, which paused every sequence; from 3 tokens, 52-56%
+MIN_NGRAM = 3
 DEFAULT_MAX_ROWS = 16  # row bound where nothing was measured (float compute, CUDA)
+ACCEPTANCE_PRIOR = 0.6  # a new sequence's expected accepted share, until its drafts are verified
 ACCEPTANCE_FLOOR = 0.3  # below this average accepted share a sequence pauses drafting
 ACCEPTANCE_WEIGHT = 0.25  # weight of the newest verification in the average
 FIRST_BACKOFF_STEPS = 8
@@ -56,26 +59,16 @@ MAX_BACKOFF_STEPS = 256
 TOKEN_BYTES = array("i").itemsize  # token ids are stored as native int32 in the search buffer
 
 
-def max_rows_from(seconds: dict[str, float]) -> int:
-    """The "auto" row bound from a small-batch measurement ({"<rows>/small" | "<rows>/library": seconds}):
-    the largest measured batch whose pass, by the faster path, costs at most MAX_COST_RATIO one-row passes."""
-    best = {}
-    for key, value in seconds.items():
-        rows = int(key.split("/")[0])
-        best[rows] = min(best.get(rows, value), value)
-    if 1 not in best:
-        return DEFAULT_MAX_ROWS
-    return max(rows for rows, value in best.items() if value <= MAX_COST_RATIO * best[1])
-
-
-def lookup(history: bytes | bytearray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def lookup(
+    history: bytes | bytearray, k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM
+) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram.
 
     history: the sequence's tokens as int32 (array("i") bytes). bytes.rfind does the search in C; a hit
     not aligned to a token boundary is skipped by searching again before it.
     """
     num_tokens = len(history) // TOKEN_BYTES
-    for n in range(min(max_ngram, num_tokens - 1), 0, -1):
+    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
         pattern = bytes(history[-n * TOKEN_BYTES :])
         # an earlier occurrence must end by the last token, so that at least one token follows it
         end = (num_tokens - 1) * TOKEN_BYTES
@@ -88,9 +81,9 @@ def lookup(history: bytes | bytearray, k: int, max_ngram: int = MAX_NGRAM) -> li
     return []
 
 
-def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
     """lookup() over a plain token list."""
-    return lookup(array("i", tokens).tobytes(), k, max_ngram)
+    return lookup(array("i", tokens).tobytes(), k, max_ngram, min_ngram)
 
 
 @dataclass
@@ -99,7 +92,7 @@ class DraftState:
 
     k: int  # draft length to propose next
     max_k: int
-    acceptance: float = 1.0  # average accepted share of proposed tokens (optimistic until measured)
+    acceptance: float = ACCEPTANCE_PRIOR  # average accepted share of proposed tokens
     paused_steps: int = 0  # decode steps left without drafting
     backoff: int = FIRST_BACKOFF_STEPS  # length of the next pause
     history: bytearray = field(default_factory=bytearray)  # [num_tokens] int32
@@ -128,38 +121,55 @@ class DraftState:
 
 
 class Speculator:
-    """Chooses the drafts of a step (within the row bound) and settles them once the model has scored them."""
+    """Chooses the drafts of a step (where they pay) and settles them once the model has scored them."""
 
     def __init__(
-        self, blocks: BlockManager, num_speculative_tokens: int, max_rows: int, max_model_len: int
+        self,
+        blocks: BlockManager,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        *,
+        step_cost: StepCost | None = None,
+        max_rows: int | None = None,
     ) -> None:
+        """step_cost prices rows (the "auto" rule); max_rows bounds the rows of a drafting step (None:
+        only max_num_batched_tokens)."""
         self.blocks = blocks
         self.max_k = num_speculative_tokens
-        self.max_rows = max_rows
         self.max_model_len = max_model_len
+        self.step_cost = step_cost
+        self.max_rows = max_rows
+        self.min_ngram = MIN_NGRAM
 
     def propose(self, out: SchedulerOutput, max_num_batched_tokens: int) -> None:
-        """Give the step's decodes their drafts (out.drafts) while its rows stay within the bound, and
-        allocate the draft slots."""
-        budget = min(self.max_rows, max_num_batched_tokens) - out.num_tokens
-        if budget <= 0 or self.max_k == 0:
-            return
+        """Give the step's decodes their drafts (out.drafts) where they pay, and allocate the draft slots."""
+        cap = max_num_batched_tokens if self.max_rows is None else min(self.max_rows, max_num_batched_tokens)
+        rows = out.num_tokens
+        useful = float(rows)  # every prefill token and decode row is work the job needs
         for seq in sorted(out.decodes, key=self._priority):
-            if budget <= 0:
+            if rows >= cap:
                 break
             state = self._state(seq)
             if state.paused_steps > 0:
                 state.paused_steps -= 1
                 continue
-            k = min(state.k, budget, self._room(seq))
+            k = min(state.k, cap - rows, self._room(seq))
             if k <= 0:
                 continue
             state.sync(seq)
-            draft = lookup(state.history, k)
-            if draft:
+            draft = lookup(state.history, k, min_ngram=self.min_ngram)
+            if draft and self._pays(rows, useful, len(draft), state.acceptance):
                 self.blocks.allocate(seq, seq.num_tokens + len(draft))
                 out.drafts[seq] = draft
-                budget -= len(draft)
+                rows += len(draft)
+                useful += state.acceptance * len(draft)
+
+    def _pays(self, rows: int, useful: float, k: int, acceptance: float) -> bool:
+        """Whether k more draft rows raise the step's useful rows per second by PAY_MARGIN (module docstring)."""
+        if self.step_cost is None:
+            return True
+        now, after = self.step_cost(rows), self.step_cost(rows + k)
+        return acceptance * k * now >= PAY_MARGIN * useful * (after - now)
 
     def _priority(self, seq: Sequence) -> tuple[float, int]:
         state = seq.draft_state

@@ -8,7 +8,10 @@ without a constrained row does no mask work at all. Each emitted token advances 
 when the matcher terminates (the grammar is complete and its stop token was emitted) the sequence stops.
 
 JSON is generated compactly (no free whitespace: `any_whitespace=False`), which keeps outputs short
-and leaves a weak model no room to ramble in blanks. A constraint xgrammar refuses (an unsupported
+and leaves a weak model no room to ramble in blanks. Compact JSON never holds a raw control character
+(inside strings they must be escaped), yet xgrammar 0.2's grammar for a string with `maxLength` lets
+them through (a raw 0x1F made an output invalid JSON), so JSON rows also mask every token with a byte
+below 0x20. A constraint xgrammar refuses (an unsupported
 schema keyword, a lookbehind in a regex, a schema that is not JSON) fails only its request, with the
 grammar engine's reason.
 
@@ -65,6 +68,7 @@ class StructuredDecoder:
         )
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, grown on demand
         self._batch: xgrammar.BatchGrammarMatcher | None = None
+        self._control_tokens: torch.Tensor | None = None  # [n] int64: tokens with a byte below 0x20
         self._lock = threading.Lock()
         self.compiles = 0  # constraints compiled (refusals included): a cache miss each
 
@@ -76,6 +80,11 @@ class StructuredDecoder:
 
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+            )
+            special = set(self._stop_token_ids) | set(getattr(self._tokenizer, "all_special_ids", []))
+            self._control_tokens = torch.tensor(
+                [i for i, raw in enumerate(info.decoded_vocab) if i not in special and any(b < 0x20 for b in raw)],
+                dtype=torch.int64,
             )
             # our own cache below (keyed by the constraint, refusals too) replaces xgrammar's
             self._compiler = xgr.GrammarCompiler(
@@ -154,21 +163,24 @@ class StructuredDecoder:
 
         plain: list[xgrammar.GrammarMatcher] = []
         plain_rows: list[int] = []
-        walks: list[tuple[xgrammar.GrammarMatcher, int, list[int]]] = []
+        plain_json: list[bool] = []
+        walks: list[tuple[xgrammar.GrammarMatcher, int, list[int], bool]] = []
         row = 0
         for seq, draft in zip(seqs, drafts, strict=True):
             matcher = self._matchers.get(seq) if seq.params.structured is not None else None
             if matcher is not None:
+                is_json = seq.params.structured.kind in ("json_schema", "json_object")
                 if draft:
-                    walks.append((matcher, row, draft))
+                    walks.append((matcher, row, draft, is_json))
                 else:
                     plain.append(matcher)
                     plain_rows.append(row)
+                    plain_json.append(is_json)
             row += 1 + len(draft)
         if not plain and not walks:
             return
         bitmask = self._bitmask_rows(logits.shape[0])
-        rows = list(plain_rows)
+        rows, row_is_json = list(plain_rows), list(plain_json)
         if plain:
             if len(plain) == 1:
                 plain[0].fill_next_token_bitmask(bitmask, plain_rows[0])
@@ -176,12 +188,18 @@ class StructuredDecoder:
                 if self._batch is None:
                     self._batch = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
                 self._batch.batch_fill_next_token_bitmask(plain, bitmask, plain_rows)
-        for matcher, first, draft in walks:
-            rows.extend(_fill_along_draft(matcher, bitmask, first, draft))
+        for matcher, first, draft, is_json in walks:
+            filled = _fill_along_draft(matcher, bitmask, first, draft)
+            rows.extend(filled)
+            row_is_json.extend([is_json] * len(filled))
         mask = bitmask[: logits.shape[0]]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=sorted(rows))
+        json_rows = [row for row, is_json in zip(rows, row_is_json, strict=True) if is_json]
+        if json_rows and self._control_tokens is not None and len(self._control_tokens):
+            banned = self._control_tokens.to(logits.device)
+            logits[torch.tensor(json_rows, device=logits.device)[:, None], banned[None, :]] = float("-inf")
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:

@@ -22,9 +22,10 @@ from worker.engine.speculation import (
     DEFAULT_MAX_ROWS,
     FIRST_BACKOFF_STEPS,
     DraftState,
-    max_rows_from,
+    Speculator,
     propose,
 )
+from worker.engine.step_cost import StepCost
 from worker.engine.verify import verify_draft
 
 T = TypeVar("T")
@@ -38,14 +39,15 @@ def test_proposes_the_tokens_after_the_longest_matching_ngram() -> None:
     # [1, 2, 3] occurred at the start (followed by 10, 11, 7); [2, 3] more recently (followed by 20, 21)
     tokens = [1, 2, 3, 10, 11, 7, 2, 3, 20, 21, 1, 2, 3]
     assert propose(tokens, k=3) == [10, 11, 7]
-    assert propose(tokens, k=3, max_ngram=2) == [20, 21, 1]
+    assert propose(tokens, k=3, max_ngram=2, min_ngram=1) == [20, 21, 1]
+    assert propose([5, 6, 9, 5, 6], k=2) == []  # a 2-token match is below the default MIN_NGRAM
 
 
 def test_proposes_after_the_most_recent_occurrence_and_no_further_than_the_end() -> None:
-    assert propose([1, 2, 5, 1, 2, 6, 1, 2], k=2) == [6, 1]
-    assert propose([4, 5, 4], k=4) == [5, 4]  # the continuation runs into the suffix itself
-    assert propose([1, 2, 3, 4], k=4) == []  # the suffix occurs nowhere earlier
-    assert propose([7], k=4) == [] and propose([], k=4) == []
+    assert propose([1, 2, 5, 1, 2, 6, 1, 2], k=2, min_ngram=1) == [6, 1]
+    assert propose([4, 5, 4], k=4, min_ngram=1) == [5, 4]  # the continuation runs into the suffix itself
+    assert propose([1, 2, 3, 4], k=4, min_ngram=1) == []  # the suffix occurs nowhere earlier
+    assert propose([7], k=4, min_ngram=1) == [] and propose([], k=4, min_ngram=1) == []
 
 
 def test_a_byte_match_across_two_tokens_is_not_a_token_match() -> None:
@@ -56,8 +58,8 @@ def test_a_byte_match_across_two_tokens_is_not_a_token_match() -> None:
     assert (a.to_bytes(4, sys.byteorder) + b.to_bytes(4, sys.byteorder)).find(
         t.to_bytes(4, sys.byteorder)
     ) == 1
-    assert propose([a, b, 7, t], k=2) == []
-    assert propose([t, 9, a, b, 7, t], k=2) == [9, a]
+    assert propose([a, b, 7, t], k=2, min_ngram=1) == []
+    assert propose([t, 9, a, b, 7, t], k=2, min_ngram=1) == [9, a]
 
 
 def test_k_adapts_to_acceptance_and_a_poor_sequence_pauses() -> None:
@@ -173,7 +175,10 @@ def self_quoting(llm: LLM, seed: int, count: int) -> list[list[int]]:
 
 
 def checking_trims(llm: LLM) -> LLM:
-    """After each verification a sequence holds no block past its tokens: rejected slots' blocks went back."""
+    """After each verification a sequence holds no block past its tokens: rejected slots' blocks went back.
+    Drafts from 1-token matches too: a random model's output repeats its prompt's phrases only briefly,
+    and more (often rejected) drafts exercise verification and rollback more."""
+    llm.engine.speculator.min_ngram = 1
     settle = llm.engine.speculator.settle
 
     def trimmed(seq, start: int, proposed: int, accepted: int) -> int:
@@ -307,7 +312,7 @@ def test_blocks_with_prefix_caching_and_preemption(echo_off: LLM, tiny_echo_dir)
     batch = [shared + p for p in self_quoting(echo_off, seed=7, count=8)] + repetitive(seed=8, count=8)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     expected = [o.output_token_ids for o in echo_off.generate(batch, params)]
-    small = LLM(str(tiny_echo_dir), num_kv_blocks=60, speculation_max_rows=256, **OPTIONS)
+    small = checking_trims(LLM(str(tiny_echo_dir), num_kv_blocks=60, speculation_max_rows=256, **OPTIONS))
     blocks = small.engine.blocks
     slot = blocks.slot
 
@@ -328,6 +333,7 @@ def test_blocks_with_prefix_caching_and_preemption(echo_off: LLM, tiny_echo_dir)
 
 def test_no_drafts_in_a_step_over_the_row_bound(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=2000, speculation_max_rows=8, **OPTIONS)
+    llm.engine.speculator.min_ngram = 1
     speculator = llm.engine.speculator
     steps = []
     propose_drafts = speculator.propose
@@ -352,6 +358,7 @@ def test_no_drafts_in_a_step_over_the_row_bound(tiny_llama_dir) -> None:
 def test_auto_row_bound_and_off_switch(tiny_llama_dir) -> None:
     auto = LLM(str(tiny_llama_dir), num_kv_blocks=100, **OPTIONS)
     assert auto.engine.speculator.max_rows == DEFAULT_MAX_ROWS  # float32: no small-batch measurement
+    assert auto.engine.speculator.step_cost is None
     assert (
         LLM(str(tiny_llama_dir), num_kv_blocks=100, enable_speculation=False, **OPTIONS).engine.speculator
         is None
@@ -360,9 +367,18 @@ def test_auto_row_bound_and_off_switch(tiny_llama_dir) -> None:
         LLM(str(tiny_llama_dir), speculation_max_rows=-1, **OPTIONS)
 
 
-def test_auto_row_bound_from_the_small_batch_measurement() -> None:
-    # seconds of one pass over the projections (2-core AVX-512 VM, float32 activations, INT8 weights)
-    seconds = {"1/small": 4.05, "1/library": 6.34, "4/small": 5.79, "4/library": 6.98, "16/small": 10.9,
-               "16/library": 7.59, "32/small": 17.3, "32/library": 8.85, "64/small": 29.6, "64/library": 11.0}  # fmt: skip
-    assert max_rows_from(seconds) == 16  # 7.59 <= 2 x 4.05 < 8.85
-    assert max_rows_from({"1/small": 1.0, "4/small": 3.0}) == 1
+def test_auto_prices_rows_from_the_small_batch_measurement() -> None:
+    # seconds of one pass over the projections (2-core AVX-512 VM, bfloat16 activations, INT8 weights)
+    seconds = {"1/small": 7.8, "1/library": 8.29, "4/small": 8.11, "4/library": 11.77, "16/small": 19.06,
+               "16/library": 18.36, "32/small": 27.81, "32/library": 22.18, "64/small": 57.79,
+               "64/library": 29.32, "128/small": 87.62, "128/library": 44.92}  # fmt: skip
+    cost = StepCost.from_measurement(seconds)
+    assert cost(1) == 7.8 and cost(16) == 18.36 and cost(80) == pytest.approx(33.22)
+    assert cost(256) == pytest.approx(44.92 + 128 * (44.92 - 29.32) / 64)  # the last slope, extrapolated
+    assert StepCost.from_measurement({"1/small": 1.0}) is None
+    assert StepCost.from_measurement({"1/small": 2.0, "4/small": 1.0}).seconds == (2.0, 2.0)  # non-decreasing
+    spec = Speculator(None, 4, 2048, step_cost=cost)
+    assert spec._pays(rows=16, useful=16, k=4, acceptance=0.84)  # a small decode step: drafts are cheap
+    assert spec._pays(rows=1 + 4096, useful=4097, k=4, acceptance=0.84) is False  # compute-bound prefill
+    assert spec._pays(rows=256, useful=256, k=4, acceptance=0.84) is False  # a full batch drafts nothing
+    assert spec._pays(rows=256, useful=256, k=4, acceptance=1.0) is False

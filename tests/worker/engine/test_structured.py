@@ -41,13 +41,15 @@ CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir) -> LLM:
-    return LLM(
+    llm = LLM(
         str(tiny_llama_dir),
         dtype="float32",
         quantization=None,
         kv_cache_dtype="auto",
         kv_cache_memory_gb=0.05,
     )
+    llm.engine.speculator.min_ngram = 1  # a random model repeats only short phrases: let it draft from them
+    return llm
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -198,6 +200,27 @@ def test_structured_params() -> None:
         SamplingParams(max_tokens=4, min_tokens=1, structured=StructuredOutput.json_object())
     with pytest.raises(ValueError, match="choice"):
         StructuredOutput.choice([])
+
+
+def test_json_rows_never_take_a_control_character(tiny: LLM) -> None:
+    """xgrammar 0.2 lets a raw control character into a string with maxLength (invalid JSON); JSON rows
+    mask every token holding a byte below 0x20, a regex row keeps them."""
+    from worker.engine.sequence import Sequence
+
+    decoder = tiny.engine.structured
+    tok = tiny.tokenizer
+    schema = {"type": "object", "properties": {"t": {"type": "string", "maxLength": 16}}, "required": ["t"]}
+    json_seq = Sequence(0, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.json(schema)), None)
+    regex_seq = Sequence(1, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.regex(".+")), None)
+    for seq in (json_seq, regex_seq):
+        assert decoder.attach(seq) is None
+    for token in tok.encode('{"t": "a', add_special_tokens=False):  # xgrammar's compact form: ": "
+        assert decoder.advance(json_seq, token) == (None, None)
+    unit_separator = tok.encode("\x1f", add_special_tokens=False)[0]
+    logits = torch.zeros(2, tiny.engine.model_config.vocab_size)
+    decoder.apply_masks(logits, [json_seq, regex_seq], [[], []])
+    assert not torch.isfinite(logits[0, unit_separator]) and torch.isfinite(logits[1, unit_separator])
+    assert torch.isfinite(logits[0, tok.encode("b", add_special_tokens=False)[0]])
 
 
 def test_speculative_draft_rows_are_masked_along_the_draft(tiny: LLM) -> None:
@@ -372,4 +395,6 @@ def test_constrained_greedy_tokens_are_the_same_with_drafts_verified(tiny: LLM, 
         enable_speculation=False,
     )
     expected = [o.output_token_ids for o in plain.generate(batch, params)]
+    drafts_before = tiny.stats.draft_tokens
     assert [o.output_token_ids for o in tiny.generate(batch, params)] == expected
+    assert tiny.stats.draft_tokens > drafts_before, "constrained sequences were meant to speculate"

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 from jobs.domain.sample_docs import DOCUMENTS, LONG_DOCUMENTS, SUMMARIZE_TEMPLATE, long_document_text
+from worker.bench.timed import timed_generate
 from worker.engine import LLM, SamplingParams
 
 
@@ -54,20 +54,14 @@ def prompts(llm: LLM, rows: int, instruction_tokens: int) -> list[list[int]]:
 
 def run(llm: LLM, batch: list[list[int]], params: SamplingParams) -> dict[str, float]:
     llm.generate(batch[:2], SamplingParams(max_tokens=2))  # warm-up: first-call costs out of the timing
-    before = llm.stats.as_dict()
-    started = time.perf_counter()
-    outs = llm.generate(batch, params)
-    seconds = time.perf_counter() - started
-    after = llm.stats.as_dict()
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    output = after["output_tokens"] - before["output_tokens"]
-    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    timed = timed_generate(llm, batch, params)
+    prompt = timed.spent["prompt_tokens"]
     return {
-        "cached_share": cached / prompt,
-        "computed_tokens": after["computed_tokens"] - before["computed_tokens"],
-        "seconds": seconds,
-        "tokens_per_s": (prompt + output) / seconds,
-        "outputs": [o.output_token_ids for o in outs],
+        "cached_share": timed.spent["cached_prompt_tokens"] / prompt,
+        "computed_tokens": timed.spent["computed_tokens"],
+        "seconds": timed.seconds,
+        "tokens_per_s": timed.tokens_per_s,
+        "outputs": [o.output_token_ids for o in timed.outputs],
         "prompt_tokens": prompt,
     }
 

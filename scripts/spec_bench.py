@@ -15,9 +15,9 @@ whether the greedy outputs are identical. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import time
 
 from jobs.domain.sample_docs import LONG_DOCUMENTS, SUMMARIZE_TEMPLATE, all_documents, long_document_text
+from worker.bench.timed import timed_generate
 from worker.engine import LLM, SamplingParams
 
 DEFAULT_ROWS = {"sample": 24, "long": 16, "sharegpt": 256}
@@ -61,14 +61,10 @@ def prompts_for(llm: LLM, docs: str, rows: int, max_tokens: int, window_tokens: 
 
 def run(llm: LLM, batch: list[list[int]], params: SamplingParams) -> dict:
     llm.generate(batch[:2], SamplingParams(max_tokens=4))  # warm-up: first-call costs out of the timing
-    before = llm.stats.as_dict()
-    started = time.perf_counter()
-    outs = llm.generate(batch, params)
-    seconds = time.perf_counter() - started
-    after = llm.stats.as_dict()
+    timed = timed_generate(llm, batch, params)
     names = ("output_tokens", "draft_tokens", "accepted_draft_tokens", "steps", "busy_seconds")
-    spent = {name: after[name] - before[name] for name in names}
-    return {**spent, "seconds": seconds, "outputs": [o.output_token_ids for o in outs]}
+    spent = {name: timed.spent[name] for name in names}
+    return {**spent, "seconds": timed.seconds, "outputs": [o.output_token_ids for o in timed.outputs]}
 
 
 def main() -> None:

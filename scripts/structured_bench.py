@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 
 import jsonschema
 
 from jobs.domain.sample_docs import all_documents
+from worker.bench.timed import timed_generate
 from worker.engine import LLM, SamplingParams
 from worker.engine.sampling_params import StructuredOutput
 
@@ -90,13 +90,8 @@ def warm_up(llm: LLM, batch: list[list[int]], params: SamplingParams) -> None:
 
 
 def run(llm: LLM, batch: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    before = llm.stats.as_dict()
-    started = time.perf_counter()
-    outs = llm.generate(batch, params)
-    seconds = time.perf_counter() - started
-    after = llm.stats.as_dict()
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    output = after["output_tokens"] - before["output_tokens"]
+    timed = timed_generate(llm, batch, params)
+    outs, seconds, output = timed.outputs, timed.seconds, timed.spent["output_tokens"]
     verdicts = [verdict(o.text) for o in outs]
     return {
         "parse": sum(p for p, _ in verdicts) / len(outs),
@@ -106,7 +101,7 @@ def run(llm: LLM, batch: list[list[int]], params: SamplingParams) -> dict[str, f
         "mean_output": output / len(outs),
         "seconds": seconds,
         "output_tokens_per_s": output / seconds,
-        "tokens_per_s": (prompt + output) / seconds,
+        "tokens_per_s": timed.tokens_per_s,
         "example": outs[0].text,
     }
 

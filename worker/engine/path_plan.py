@@ -136,11 +136,22 @@ def candidate_schemes(device: torch.device) -> list[Scheme]:
     return schemes
 
 
+# On CUDA the Triton W8A8 GEMM beats a bfloat16 matmul only on wide layers: on an H200 (2026-12-04,
+# scripts/kernel_bench.py) 1.14-1.61x at K=4096, N=14336 (Llama-8B's MLP), 0.09-0.70x at SmolLM2's
+# K=576 / 1536 products, where the bfloat16 matmul takes microseconds and launch costs dominate.
+CUDA_INT8_MIN_HIDDEN = 2048
+
+
+def cuda_auto_quantization(model: ModelConfig) -> str | None:
+    """quantization="auto" on CUDA: W8A8 for wide models, none for small ones (measured above)."""
+    return "int8" if model.hidden_size >= CUDA_INT8_MIN_HIDDEN else None
+
+
 def plan_for(config: EngineConfig, model: ModelConfig, device: torch.device, cache_dir: Path | None) -> ExecutionPlan:
     """Resolve config's "auto" choices on `device`; measure (or read the cache) on CPU."""
     if device.type == "cuda":
         dtype = "bfloat16" if config.dtype == "auto" else config.dtype
-        quantization = "int8" if config.quantization == "auto" else config.quantization
+        quantization = cuda_auto_quantization(model) if config.quantization == "auto" else config.quantization
         scheme = Scheme(dtype, quantization, "triton" if quantization else None)
         return ExecutionPlan(tier="cuda", scheme=scheme, head_dim=model.head_dim, source="fixed")
     tier = active_tier()

@@ -98,3 +98,12 @@ def test_unknown_choices_are_refused() -> None:
         config(dtype="int4")
     with pytest.raises(ValueError, match="int8_backend"):
         config(int8_backend="cublas")
+
+
+def test_cuda_auto_quantizes_wide_models_only() -> None:
+    # no GPU needed: a CUDA plan is fixed, not measured
+    wide = ModelConfig(**{**SMALL.__dict__, "hidden_size": 4096})
+    cuda = torch.device("cuda")
+    assert plan_for(config(), SMALL, cuda, None).scheme.name == "bfloat16"
+    assert plan_for(config(), wide, cuda, None).scheme.name == "bfloat16+int8/triton"
+    assert plan_for(config(quantization="int8"), SMALL, cuda, None).scheme.name == "bfloat16+int8/triton"

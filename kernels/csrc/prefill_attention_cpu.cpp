@@ -3,8 +3,8 @@
 //     into 16 float32 lanes);
 //   - float32 in and out, using AVX2 + FMA (8 float32 lanes; built on every x86 tier from AVX2 up).
 //
-// Used when a sequence's chunk is its whole context (no cached prefix): queries, keys and values are the
-// step's own tensors. Flash-attention style: each task takes R query rows of one kv head's group and walks
+// Each chunk's queries attend to its whole context: the step's own keys and values, after a cached prefix
+// (if any) that the caller gathered from the paged cache in front of them (see Chunks). Flash-attention style: each task takes R query rows of one kv head's group and walks
 // the keys in tiles with an online softmax, so scores are never stored; all sequences of the step run in
 // one parallel loop. The bf16 kernel first repacks keys and values per (sequence, kv head) into the
 // pair-interleaved layouts vdpbf16ps reads:
@@ -30,6 +30,17 @@
 #endif
 
 namespace {
+
+// The step's chunks: chunk s has q_len[s] query rows from row q_start[s] of the query (and out) tensor, and
+// attends causally to kv_len[s] >= q_len[s] key/value rows from row kv_start[s] of the key/value tensors, its
+// whole context so far: query j sits at position kv_len - q_len + j (a cached prefix comes first).
+struct Chunks {
+  const int32_t* q_start;
+  const int32_t* q_len;
+  const int32_t* kv_start;
+  const int32_t* kv_len;
+  int64_t num;
+};
 
 #ifdef FREIGHT_PREFILL_BF16
 constexpr int64_t kTile = 32;  // keys per tile
@@ -134,29 +145,29 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
 }
 
 template <int D, int R>
-void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* seq_start,
-             const int32_t* seq_len, int64_t num_seqs, int64_t H, int64_t KVH, float scale, uint16_t* out) {
-  const int64_t G = H / KVH;
-  // packed buffers: each (sequence, kv head) gets its length rounded up to whole tiles
+void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chunks& chunks, int64_t H, int64_t KVH,
+             float scale, uint16_t* out) {
+  const int64_t G = H / KVH, num_seqs = chunks.num;
+  // packed buffers: each (sequence, kv head) gets its context rounded up to whole tiles
   std::vector<int64_t> packed_offset(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = seq_len[s];
+    const int64_t len = chunks.kv_len[s];
     packed_offset[s + 1] = packed_offset[s] + (len + kTile - 1) / kTile * kTile * KVH * (D / 2);
   }
   std::vector<uint32_t> kp(packed_offset[num_seqs]), vp(packed_offset[num_seqs]);
   at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / KVH, h = task % KVH, len = seq_len[s];
+      const int64_t s = task / KVH, h = task % KVH, len = chunks.kv_len[s];
       const int64_t padded = (len + kTile - 1) / kTile * kTile;
       const int64_t offset = packed_offset[s] + h * padded * (D / 2);
-      pack_kv(k + (seq_start[s] * KVH + h) * D, v + (seq_start[s] * KVH + h) * D, KVH * D, len, D,
-              kp.data() + offset, vp.data() + offset);
+      const int64_t first = (chunks.kv_start[s] * KVH + h) * D;
+      pack_kv(k + first, v + first, KVH * D, len, D, kp.data() + offset, vp.data() + offset);
     }
   });
   // tasks: (sequence, kv head, block of R rows); rows run position-major over the group's heads
   std::vector<int64_t> task_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t rows = seq_len[s] * G;
+    const int64_t rows = chunks.q_len[s] * G;
     task_start[s + 1] = task_start[s] + KVH * ((rows + R - 1) / R);
   }
   const float scale_log2 = scale * 1.4426950408889634f;
@@ -164,7 +175,7 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int3
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[s + 1]) ++s;
-      const int64_t len = seq_len[s], rows_total = len * G;
+      const int64_t len = chunks.kv_len[s], prefix = len - chunks.q_len[s], rows_total = chunks.q_len[s] * G;
       const int64_t blocks = (rows_total + R - 1) / R, local = task - task_start[s];
       const int64_t h = local / blocks, first = (local % blocks) * R;
       const int rows = int(std::min<int64_t>(R, rows_total - first));
@@ -173,10 +184,10 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int3
       int64_t pos[R] = {};
       for (int r = 0; r < rows; ++r) {
         const int64_t row = first + r, p = row / G, g = row % G;
-        const int64_t offset = ((seq_start[s] + p) * H + h * G + g) * D;
+        const int64_t offset = ((chunks.q_start[s] + p) * H + h * G + g) * D;
         q_rows[r] = q + offset;
         out_rows[r] = out + offset;
-        pos[r] = p;
+        pos[r] = prefix + p;
       }
       const int64_t padded = (len + kTile - 1) / kTile * kTile;
       const int64_t offset = packed_offset[s] + h * padded * (D / 2);
@@ -329,35 +340,36 @@ void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, c
 }
 
 template <int D>
-void prefill_f32(const float* q, const float* k, const float* v, const int32_t* seq_start, const int32_t* seq_len,
-                 int64_t num_seqs, int64_t H, int64_t KVH, float scale, float* out) {
+void prefill_f32(const float* q, const float* k, const float* v, const Chunks& chunks, int64_t H, int64_t KVH,
+                 float scale, float* out) {
   constexpr int R = kRowsF32;
-  const int64_t G = H / KVH;
-  // packed keys: each (sequence, kv head) gets its length rounded up to whole tiles
+  const int64_t G = H / KVH, num_seqs = chunks.num;
+  // packed keys: each (sequence, kv head) gets its context rounded up to whole tiles
   std::vector<int64_t> packed_offset(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t padded = (seq_len[s] + kTileF32 - 1) / kTileF32 * kTileF32;
+    const int64_t padded = (chunks.kv_len[s] + kTileF32 - 1) / kTileF32 * kTileF32;
     packed_offset[s + 1] = packed_offset[s] + padded * KVH * D;
   }
   const at::Tensor packed = at::empty({packed_offset[num_seqs]}, at::kFloat);  // 64-byte aligned
   float* kp = packed.data_ptr<float>();
   at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / KVH, h = task % KVH, len = seq_len[s];
+      const int64_t s = task / KVH, h = task % KVH, len = chunks.kv_len[s];
       const int64_t padded = (len + kTileF32 - 1) / kTileF32 * kTileF32;
-      pack_keys_f32(k + (seq_start[s] * KVH + h) * D, KVH * D, len, D, kp + packed_offset[s] + h * padded * D);
+      pack_keys_f32(k + (chunks.kv_start[s] * KVH + h) * D, KVH * D, len, D, kp + packed_offset[s] + h * padded * D);
     }
   });
   // tasks: (sequence, kv head, block of R rows); rows run position-major over the group's heads, so a block's
   // rows share their keys
   std::vector<int64_t> task_start(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) task_start[s + 1] = task_start[s] + KVH * ((seq_len[s] * G + R - 1) / R);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    task_start[s + 1] = task_start[s] + KVH * ((chunks.q_len[s] * G + R - 1) / R);
   const float scale_log2 = scale * 1.4426950408889634f;
   at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[s + 1]) ++s;
-      const int64_t len = seq_len[s], rows_total = len * G;
+      const int64_t len = chunks.kv_len[s], prefix = len - chunks.q_len[s], rows_total = chunks.q_len[s] * G;
       const int64_t blocks = (rows_total + R - 1) / R, local = task - task_start[s];
       const int64_t h = local / blocks, first = (local % blocks) * R;
       const int rows = int(std::min<int64_t>(R, rows_total - first));
@@ -366,14 +378,14 @@ void prefill_f32(const float* q, const float* k, const float* v, const int32_t* 
       int64_t pos[R] = {};
       for (int r = 0; r < rows; ++r) {
         const int64_t row = first + r, p = row / G, g = row % G;
-        const int64_t offset = ((seq_start[s] + p) * H + h * G + g) * D;
+        const int64_t offset = ((chunks.q_start[s] + p) * H + h * G + g) * D;
         q_rows[r] = q + offset;
         out_rows[r] = out + offset;
-        pos[r] = p;
+        pos[r] = prefix + p;
       }
       const int64_t padded = (len + kTileF32 - 1) / kTileF32 * kTileF32;
       attend_rows_f32<D>(q_rows, pos, rows, kp + packed_offset[s] + h * padded * D,
-                         v + (seq_start[s] * KVH + h) * D, KVH * D, scale_log2, out_rows);
+                         v + (chunks.kv_start[s] * KVH + h) * D, KVH * D, scale_log2, out_rows);
     }
   });
 }
@@ -397,11 +409,28 @@ bool available_f32() {
 #endif
 }
 
-// query [T, H, D], key/value [T, KVH, D], out [T, H, D]: bfloat16, contiguous. Sequence s is rows
-// seq_start[s] .. seq_start[s] + seq_len[s] (int32 [S] each), its whole context; other rows of out are
-// left as they are.
-void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor seq_start,
-                            torch::Tensor seq_len, double scale, torch::Tensor out) {
+// The chunk description (int32 [S] each) as Chunks, checked against the tensors' rows.
+Chunks chunks_of(const torch::Tensor& q_start, const torch::Tensor& q_len, const torch::Tensor& kv_start,
+                 const torch::Tensor& kv_len, int64_t q_rows, int64_t kv_rows) {
+  for (const auto* t : {&q_start, &q_len, &kv_start, &kv_len}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->dim() == 1 && t->size(0) == q_start.size(0),
+                "q_start, q_len, kv_start, kv_len: contiguous int32 [num_chunks] each");
+  }
+  const Chunks chunks{q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), kv_start.data_ptr<int32_t>(),
+                      kv_len.data_ptr<int32_t>(), q_start.size(0)};
+  for (int64_t s = 0; s < chunks.num; ++s) {
+    TORCH_CHECK(chunks.q_len[s] >= 0 && chunks.q_len[s] <= chunks.kv_len[s], "chunk ", s, ": q_len must be in [0, kv_len]");
+    TORCH_CHECK(chunks.q_start[s] >= 0 && chunks.q_start[s] + chunks.q_len[s] <= q_rows, "chunk ", s, ": query rows out of range");
+    TORCH_CHECK(chunks.kv_start[s] >= 0 && chunks.kv_start[s] + chunks.kv_len[s] <= kv_rows, "chunk ", s, ": key rows out of range");
+  }
+  return chunks;
+}
+
+// query [T, H, D], key/value [TK, KVH, D], out [T, H, D]: bfloat16, contiguous; the chunks as in Chunks. Rows
+// of out outside every chunk are left as they are.
+void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
+                            torch::Tensor q_len, torch::Tensor kv_start, torch::Tensor kv_len, double scale,
+                            torch::Tensor out) {
 #ifdef FREIGHT_PREFILL_BF16
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -409,18 +438,15 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() && out.is_contiguous(),
               "contiguous tensors only");
   const int64_t H = query.size(1), KVH = key.size(1), D = query.size(2);
+  const Chunks chunks = chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0));
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   const auto* k = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
   const auto* v = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  TORCH_CHECK(seq_start.scalar_type() == at::kInt && seq_len.scalar_type() == at::kInt, "int32 seq_start, seq_len");
-  const int32_t* starts = seq_start.data_ptr<int32_t>();
-  const int32_t* lens = seq_len.data_ptr<int32_t>();
-  const int64_t num_seqs = seq_start.size(0);
   if (D == 64) {
-    prefill<64, 4>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+    prefill<64, 4>(q, k, v, chunks, H, KVH, float(scale), o);
   } else if (D == 128) {
-    prefill<128, 2>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+    prefill<128, 2>(q, k, v, chunks, H, KVH, float(scale), o);
   } else {
     TORCH_CHECK(false, "head_dim must be 64 or 128");
   }
@@ -430,27 +456,25 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
 }
 
 // As prefill_attention_bf16, float32 tensors.
-void prefill_attention_f32(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor seq_start,
-                           torch::Tensor seq_len, double scale, torch::Tensor out) {
+void prefill_attention_f32(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
+                           torch::Tensor q_len, torch::Tensor kv_start, torch::Tensor kv_len, double scale,
+                           torch::Tensor out) {
 #ifdef FREIGHT_PREFILL_F32
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
                   value.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "float32 tensors only");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() && out.is_contiguous(),
               "contiguous tensors only");
-  TORCH_CHECK(seq_start.scalar_type() == at::kInt && seq_len.scalar_type() == at::kInt, "int32 seq_start, seq_len");
   const int64_t H = query.size(1), KVH = key.size(1), D = query.size(2);
+  const Chunks chunks = chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0));
   const float* q = query.data_ptr<float>();
   const float* k = key.data_ptr<float>();
   const float* v = value.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int32_t* starts = seq_start.data_ptr<int32_t>();
-  const int32_t* lens = seq_len.data_ptr<int32_t>();
-  const int64_t num_seqs = seq_start.size(0);
   if (D == 64) {
-    prefill_f32<64>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+    prefill_f32<64>(q, k, v, chunks, H, KVH, float(scale), o);
   } else if (D == 128) {
-    prefill_f32<128>(q, k, v, starts, lens, num_seqs, H, KVH, float(scale), o);
+    prefill_f32<128>(q, k, v, chunks, H, KVH, float(scale), o);
   } else {
     TORCH_CHECK(false, "head_dim must be 64 or 128");
   }

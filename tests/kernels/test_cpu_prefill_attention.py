@@ -89,8 +89,39 @@ def test_float32_large_scores_stay_finite():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_public_function_uses_it_for_whole_context_chunks(dtype, monkeypatch):
-    """paged_prefill_attention with fresh keys: whole-context sequences take the kernel, the rest the cache."""
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
+def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads):
+    """kv_starts/kv_lens: each chunk's queries are the last q_len positions of a longer context."""
+    contexts = [40, 17, 33, 200, 5]
+    q_lens = [16, 17, 1, 75, 4]  # a whole context, a single query, chunks across tile edges
+    q, k, v, kv_starts = random_step(contexts, heads, kv_heads, 64, seed=21, dtype=dtype)
+    want = causal_reference(q, k, v, kv_starts, contexts, 0.125)
+    # the queries of each chunk, packed on their own; keys and values stay whole contexts
+    rows = torch.cat(
+        [torch.arange(s + n - m, s + n) for s, n, m in zip(kv_starts, contexts, q_lens, strict=True)]
+    )
+    chunk_q = q[rows].contiguous()
+    q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    out = torch.full_like(chunk_q, float("nan"))
+    prefill_attention_cpu(chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts)
+    torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rejects_chunks_outside_the_tensors(dtype):
+    q, k, v, starts = random_step([8, 8], 2, 2, 64, seed=2, dtype=dtype)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="q_len must be in"):
+        prefill_attention_cpu(q, k, v, [0], [8], 0.125, out, kv_starts=[0], kv_lens=[4])
+    with pytest.raises(RuntimeError, match="key rows out of range"):
+        prefill_attention_cpu(q, k, v, [0], [8], 0.125, out, kv_starts=[10], kv_lens=[8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", ["same", torch.int8])
+def test_public_function_runs_every_chunk_in_one_call(dtype, cache_dtype, monkeypatch):
+    """paged_prefill_attention with fresh keys: whole-context chunks and chunks after a cached prefix (read
+    from the paged cache, dequantized when it is int8) all take the kernel, in one call."""
     from kernels import write_kv_cache
     from tests.kernels.helpers import make_paged_kv
 
@@ -98,18 +129,35 @@ def test_public_function_uses_it_for_whole_context_chunks(dtype, monkeypatch):
     monkeypatch.setattr(
         cpu_prefill_attention,
         "prefill_attention_cpu",
-        lambda *args: calls.append(args[4]) or prefill_attention_cpu(*args),  # args[4]: seq_lens
+        lambda *args, **kw: calls.append(kw["kv_lens"]) or prefill_attention_cpu(*args, **kw),
     )
-    lens = [40, 9]
-    kv = make_paged_kv(lens, 2, 64, 16, dtype)
-    q, k, v, starts = random_step(lens, 6, 2, 64, seed=5, dtype=dtype)
-    slots = [int(kv.block_tables[s, p // 16]) * 16 + p % 16 for s, n in enumerate(lens) for p in range(n)]
-    write_kv_cache(k, v, kv.key_cache, kv.value_cache, torch.tensor(slots))
-    loc = torch.tensor([0, 40, 49], dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, loc, seq_lens, 0.125)
-    fresh = paged_prefill_attention(*args, key=k, value=v)
-    assert calls == [lens]  # both sequences in one call
-    torch.testing.assert_close(
-        fresh.double(), causal_reference(q, k, v, starts, lens, 0.125), **tolerance(dtype)
+    cache_dtype = dtype if cache_dtype == "same" else cache_dtype
+    contexts, q_lens = [40, 9, 50], [40, 9, 18]  # the last: 32 cached tokens (two blocks), then 18 new
+    kv = make_paged_kv(contexts, 2, 64, 16, cache_dtype, seed=4)
+    q, k, v, starts = random_step(contexts, 6, 2, 64, seed=5, dtype=dtype)
+    slots = [int(kv.block_tables[s, p // 16]) * 16 + p % 16 for s, n in enumerate(contexts) for p in range(n)]
+    write_kv_cache(
+        k, v, kv.key_cache, kv.value_cache, torch.tensor(slots), kv.k_scale_cache, kv.v_scale_cache
     )
+    rows = torch.cat(
+        [torch.arange(s + n - m, s + n) for s, n, m in zip(starts, contexts, q_lens, strict=True)]
+    )
+    loc = torch.tensor([0, 40, 49, 67], dtype=torch.int32)
+    args = (q[rows], kv.key_cache, kv.value_cache, kv.block_tables, loc, torch.tensor(contexts, dtype=torch.int32),
+            0.125, kv.k_scale_cache, kv.v_scale_cache)  # fmt: skip
+    got = paged_prefill_attention(*args, key=k[rows], value=v[rows])
+    assert calls == [contexts]  # every chunk in one call
+    # the prefix as the cache holds it (rounded to int8 there), the chunks' own keys as computed
+    k_seen, v_seen = k.clone(), v.clone()
+    if cache_dtype == torch.int8:
+        for t, cache, scales in (
+            (k_seen, kv.key_cache, kv.k_scale_cache),
+            (v_seen, kv.value_cache, kv.v_scale_cache),
+        ):
+            for p in range(32):
+                slot = slots[49 + p]
+                t[49 + p] = (
+                    cache.view(-1, 2, 64)[slot].float() * scales.view(-1, 2)[slot, :, None].float()
+                ).to(dtype)
+    want = causal_reference(q, k_seen, v_seen, starts, contexts, 0.125)
+    torch.testing.assert_close(got.double(), want[rows], **tolerance(dtype))

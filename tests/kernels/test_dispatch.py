@@ -73,11 +73,15 @@ def silu_mul_call(bad: bool = False) -> None:
 
 
 def write_call(bad: bool = False) -> None:
-    key_cache, value_cache = caches()
+    """An INT8 cache: the one the compiled writer takes."""
+    shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = (torch.zeros(shape, dtype=torch.int8) for _ in range(2))
+    key_scales, value_scales = (torch.ones(shape[:3]) for _ in range(2))
     slots = torch.tensor([0, 17, 40], dtype=torch.int32 if bad else torch.int64)
     kernels.write_kv_cache(
-        torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM), key_cache, value_cache, slots
-    )
+        torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM), key_cache, value_cache, slots,
+        key_scales, value_scales,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,13 @@ OPS = {
     "write_kv_cache": Op(
         write_call,
         kv_cache,
-        {"triton": (kv_cache, "write_kv_cache_triton"), "torch": (kv_cache, "write_kv_cache_torch")},
+        {
+            "triton": (kv_cache, "write_kv_cache_triton"),
+            "compiled": (kv_cache, "write_kv_cache_cpu"),
+            "torch": (kv_cache, "write_kv_cache_torch"),
+        },
+        cpu_int8_linear.available,
+        loaders=(cpu_int8_linear,),
     ),
 }
 

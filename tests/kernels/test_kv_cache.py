@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import write_kv_cache
-from kernels.kv_cache import write_kv_cache_torch, write_kv_cache_triton
+from kernels import cpu_int8_linear, write_kv_cache
+from kernels.kv_cache import write_kv_cache_cpu, write_kv_cache_torch, write_kv_cache_triton
 from kernels.reference import write_kv_cache_reference
 from tests.kernels.helpers import BACKENDS
 
@@ -106,3 +106,40 @@ def test_rejects_bad_arguments():
         write_kv_cache(key, value, k8, v8, slots, ks[:, :2], vs)
     with pytest.raises(ValueError, match="contiguous"):
         write_kv_cache(key, value, k8.transpose(0, 1), v8.transpose(0, 1), slots, ks, vs)
+
+
+@pytest.mark.skipif(not cpu_int8_linear.available(), reason="needs a C++ toolchain")
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=["fp32-scales", "fp16-scales"])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64], ids=["tail", "d64"])
+def test_compiled_writer_is_bit_exact_with_torch(src_dtype, scale_dtype, head_dim):
+    """The compiled INT8 writer: the same codes and scales as the torch path, on strided inputs, and the
+    slots it is not given stay as they were."""
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, width = 11, KV_HEADS * head_dim
+    qkv = (torch.randn(num_tokens, 3 * width, generator=gen) * 3).to(src_dtype)
+    key = qkv[:, width : 2 * width].view(num_tokens, KV_HEADS, head_dim)
+    value = qkv[:, 2 * width :].view(num_tokens, KV_HEADS, head_dim)
+    key[4, 1] = 0  # an all-zero row keeps the minimum scale
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim)
+    want = [torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen) for _ in range(2)]
+    want += [torch.rand(shape[:3], generator=gen).to(scale_dtype) for _ in range(2)]
+    got = [t.clone() for t in want]
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:num_tokens]
+    write_kv_cache_torch(key, value, want[0], want[1], slots, want[2], want[3])
+    write_kv_cache_cpu(key, value, got[0], got[1], slots, got[2], got[3])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not cpu_int8_linear.available(), reason="needs a C++ toolchain")
+def test_compiled_writer_refuses_a_slot_outside_the_cache():
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(shape, dtype=torch.int8) for _ in range(2)] + [
+        torch.ones(shape[:3]) for _ in range(2)
+    ]
+    key = torch.randn(2, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv_cache_cpu(
+            key, key, caches[0], caches[1], torch.tensor([0, NUM_BLOCKS * BLOCK_SIZE]), *caches[2:]
+        )

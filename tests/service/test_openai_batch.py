@@ -178,7 +178,10 @@ def test_response_format_constrains_the_lines_outputs(
     model = service_env.settings.default_model
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 30}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        },
         "required": ["city", "population"],
         "additionalProperties": False,
     }

@@ -3,7 +3,8 @@
 The compiled kernels (kernels/csrc) exist per ISA tier and normally win by 2-3x; measuring keeps a
 machine where they do not (an untuned tier, a head_dim they run slowly) on the faster path. Timed at
 load on the model's head layout with a filled INT8 or float cache (a decode batch and a prefill step),
-cached beside the scheme measurement (path_plan.py).
+cached beside the scheme measurement (path_plan.py). A measurement disturbed by other processes is neither
+cached nor trusted: the compiled kernels are kept.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def choose_attention(
         with ContentionMeter() as meter:
             seconds = measure_attention(model, dtype, kv_dtype)
         store_measurement(cache_file, {"seconds": seconds}, meter)
+        if meter.contended:
+            # a busy neighbour makes either timing arbitrary (torch's path once measured faster and then ran
+            # decode attention 40x slower): the kernels' usual win stands until a quiet start measures
+            return AttentionChoice(compiled_decode=True, compiled_prefill=True, seconds=seconds)
     return AttentionChoice(
         compiled_decode=seconds["decode/compiled"] <= seconds["decode/torch"],
         compiled_prefill=seconds["prefill/compiled"] <= seconds["prefill/torch"],

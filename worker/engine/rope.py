@@ -33,18 +33,28 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2]
 
 
 class RotaryEmbedding:
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         inv_freq = inverse_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype).to(device)  # [max_positions, head_dim]
+        # rotate_half(x) * sin == swap_halves(x) * signed_sin: the sign folded into the table saves a negation
+        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype).to(device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at `positions` [num_tokens]: [num_tokens, 1, head_dim] each, gathered once
+        per step for every layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] -> rotated, a new tensor (HF's x * cos + rotate_half(x) * sin)."""
+        cos, signed_sin = tables
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+        return x * cos + swapped * signed_sin
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim]; positions: [num_tokens]."""
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return self.apply(x, self.tables(positions))

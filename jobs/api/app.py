@@ -30,6 +30,7 @@ from jobs.api.report import job_report_html
 from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
+from jobs.domain.grammar_check import GrammarChecker
 from jobs.domain.recovery import start_recovery
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
@@ -56,9 +57,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         dispatcher = CeleryDispatcher(settings) if settings.broker_url else None
         app.state.engine = engine
         app.state.dispatcher = dispatcher
+        grammar = GrammarChecker() if settings.grammar_check else None
         app.state.service = JobService(
-            settings, make_session_factory(engine), BlobStore(settings.resolved_data_dir), dispatcher
-        )
+            settings, make_session_factory(engine), BlobStore(settings.resolved_data_dir), dispatcher,
+            grammar_refusal=grammar.refusal if grammar else None,
+        )  # fmt: skip
         recovery = None
         if dispatcher is not None:
             service = app.state.service
@@ -69,6 +72,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop.set()
             thread.join(10)
             sweeper.close()
+        if grammar is not None:
+            grammar.close()
         engine.dispose()
 
     app = FastAPI(

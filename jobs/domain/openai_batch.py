@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.domain.errors import InputError, clip, clip_repr
+from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.schemas import JobParams, job_params
 from jobs.domain.structured_spec import STRUCTURED_COLUMNS, StructuredSpec, as_columns, from_response_format
 from jobs.domain.validation import MAX_CUSTOM_ID_CHARS
@@ -142,10 +143,14 @@ class ParsedBatch:
 
 
 def parse_batch_file(
-    data: bytes, endpoint: str, check: Callable[[JobParams], object] | None = None
+    data: bytes,
+    endpoint: str,
+    check: Callable[[JobParams], object] | None = None,
+    grammar_refusal: GrammarRefusal | None = None,
 ) -> ParsedBatch:
     """Every line of `data` either as a request or as a LineError. `check` runs the service's checks
-    of a line's parameters (known model, max_tokens within the context) and raises InputError.
+    of a line's parameters (known model, max_tokens within the context) and raises InputError;
+    `grammar_refusal` asks the grammar engine about a line's response_format (grammar_check.py).
     File-level problems (nothing to read, too many lines) raise InputError."""
     if endpoint not in ENDPOINTS:
         raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
@@ -157,6 +162,12 @@ def parse_batch_file(
             raise InputError(f"the file has more than {MAX_LINES} requests", field="input_file_id")
         try:
             request = _parse_line(number, raw, endpoint, check)
+            if request.structured is not None and grammar_refusal is not None:
+                refused = grammar_refusal(request.structured)
+                if refused is not None:
+                    _fail(
+                        number, request.custom_id, f"body.response_format: {refused}", "body.response_format"
+                    )
         except _LineProblem as problem:
             parsed.errors.append(problem.error)
             continue

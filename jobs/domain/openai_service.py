@@ -213,7 +213,9 @@ class BatchService:
     ) -> tuple[str | None, list[LineError], list[dict[str, Any]] | None]:
         """(job id, refused lines, errors of a failed batch): the good lines become one job."""
         try:
-            parsed: ParsedBatch = parse_batch_file(data, endpoint, self.jobs.resolve)
+            parsed: ParsedBatch = parse_batch_file(
+                data, endpoint, self.jobs.resolve, self.jobs.grammar_refusal
+            )
         except InputError as exc:
             return (
                 None,

@@ -10,6 +10,7 @@ from typing import BinaryIO, Protocol
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.domain.errors import Conflict, InputError, NotFound
+from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.metrics import compute_metrics
 from jobs.domain.results import write_partial_results
 from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
@@ -44,12 +45,14 @@ class JobService:
         dispatcher: Dispatcher | None,
         *,
         allow_any_model: bool = False,  # the embedded runner loads whatever the user names
+        grammar_refusal: GrammarRefusal | None = None,  # asks the grammar engine at submission
     ) -> None:
         self.settings = settings
         self.sessions = session_factory
         self.blobs = blobs
         self.dispatcher = dispatcher
         self.allow_any_model = allow_any_model
+        self.grammar_refusal = grammar_refusal
 
     def resolve(self, params: JobParams) -> ResolvedParams:
         settings = self.settings
@@ -83,6 +86,10 @@ class JobService:
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
             structured=params.structured(),
         )
+        if resolved.structured is not None and self.grammar_refusal is not None:
+            refused = self.grammar_refusal(resolved.structured)
+            if refused is not None:
+                raise InputError(refused, field=resolved.structured.kind)
         return resolved.model_copy(update=by_task)
 
     def submit(self, tenant: str, upload: BinaryIO, params: JobParams) -> JobObject:
@@ -107,7 +114,9 @@ class JobService:
         try:
             if resolved.summarize is not None:
                 check_summarize_file(self.blobs.path(name), resolved.summarize)
-            validated = validate_parquet(self.blobs.path(name), resolved, self.settings.max_model_len)
+            validated = validate_parquet(
+                self.blobs.path(name), resolved, self.settings.max_model_len, self.grammar_refusal
+            )
             shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
             with self.sessions() as session:
                 job_store.queue_job(session, job_id, validated.num_rows, shards)

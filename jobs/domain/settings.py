@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # engine optimisations, on by default (README "Engine"); off only to measure what they bring
     enable_prefix_caching: bool = True
     enable_speculation: bool = True
+    # the API asks the grammar engine (a child process) whether it accepts a submitted schema or regex,
+    # so a refused one is a 4xx naming the row; off, the worker fails such a row alone
+    grammar_check: bool = True
 
     # Service
     api_url: str = "http://127.0.0.1:8000"  # where the CLI and client find the API

@@ -4,14 +4,15 @@ A job sets at most one of `json_schema`, `regex`, `choice`; a row may override i
 of the same name (at most one per row). The OpenAI surface's `response_format` maps onto the same spec
 (`from_response_format`), and `as_columns` writes a spec as those row columns. The checks here are the
 ones that need no grammar engine (the schema is a JSON object, the regex is non-empty, the choices are
-non-empty strings); what the grammar engine itself refuses (an unsupported schema keyword, a regex
-construct it lacks) is found by the worker and fails only that row (worker/engine/structured.py).
+non-empty strings). What the grammar engine itself refuses (an unsupported schema keyword, a regex
+construct it lacks) is asked of it at submission through grammar_check.py (a child process: xgrammar
+imports torch); where that cannot run, the worker finds it and fails only that row (worker/engine/structured.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -189,9 +190,15 @@ def check_column_types(schema: Any) -> tuple[str, ...]:
     return names
 
 
-def check_column_values(batch: Any, names: tuple[str, ...], offset: int) -> None:
+def check_column_values(
+    batch: Any,
+    names: tuple[str, ...],
+    offset: int,
+    refusal: Callable[[StructuredSpec], str | None] | None = None,
+) -> None:
     """Each row's structured columns (a pyarrow record batch starting at row `offset`): at most one set,
-    each well formed, else an InputError naming the row and the column."""
+    each well formed and (with `refusal`, the grammar engine's answer: grammar_check.py) accepted by the
+    grammar engine, else an InputError naming the row and the column."""
     if not names:
         return
     from jobs.domain.errors import InputError
@@ -205,9 +212,12 @@ def check_column_values(batch: Any, names: tuple[str, ...], offset: int) -> None
         key = given[0][0], tuple(given[0][1]) if isinstance(given[0][1], list) else given[0][1]
         if len(given) == 1 and key in checked:
             continue
+        row = offset + i
         try:
             check_row(record)
         except ValueError as exc:
-            row = offset + i
             raise InputError(f"row {row}: {exc}", row=row, column=given[-1][0]) from exc
+        refused = refusal(for_row(None, record)) if refusal is not None else None
+        if refused is not None:
+            raise InputError(f"row {row}: {refused}", row=row, column=given[0][0])
         checked.add(key)

@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobs.domain.errors import InputError, clip_repr
+from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
 from jobs.domain.schemas import MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
 from jobs.domain.structured_spec import check_column_types, check_column_values
@@ -54,7 +55,12 @@ def check_unique_columns(schema: pa.Schema) -> None:
         seen.add(name)
 
 
-def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> ValidatedInput:
+def validate_parquet(
+    path: Path,
+    params: ResolvedParams,
+    max_model_len: int,
+    grammar_refusal: GrammarRefusal | None = None,  # the grammar engine's answer (grammar_check.py)
+) -> ValidatedInput:
     parquet = open_parquet(path)
     schema = parquet.schema_arrow
     source = resolve_source(schema, params.template, params.prompt_column, params.chat)
@@ -86,7 +92,7 @@ def validate_parquet(path: Path, params: ResolvedParams, max_model_len: int) -> 
             lengths.append(chars)
             for name in overrides:
                 _check_override_values(name, batch.column(name), offset, params, max_model_len)
-            check_column_values(batch, structured, offset)
+            check_column_values(batch, structured, offset, grammar_refusal)
             if has_custom_id:
                 _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
             offset += batch.num_rows

@@ -192,12 +192,15 @@ def test_response_format_constrains_the_lines_outputs(
         chat("object", question, model, max_tokens=60, temperature=0, response_format={"type": "json_object"}),
         chat("text", question, model, max_tokens=8, temperature=0, response_format={"type": "text"}),
         chat("bad", question, model, response_format={"type": "json_schema", "json_schema": {"schema": schema}}),
+        # well-formed, but the grammar engine refuses it: the API asks it (a child process) at creation
+        chat("refused", question, model, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "no-such-type"}}}),
     ]  # fmt: skip
     batch = sdk.batches.create(
         input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
     )
     done = wait_final(sdk, batch.id)
-    assert done.status == "completed" and done.request_counts.failed == 1
+    assert done.status == "completed" and done.request_counts.failed == 2
     outputs = {line["custom_id"]: line["response"]["body"] for line in read_lines(sdk, done.output_file_id)}
     content = {key: body["choices"][0]["message"]["content"] for key, body in outputs.items()}
     parsed = json.loads(content["schema"])
@@ -208,8 +211,10 @@ def test_response_format_constrains_the_lines_outputs(
     assert content["object"].startswith("{")
     assert finish == "length" or isinstance(json.loads(content["object"]), dict)
     errors = read_lines(sdk, done.error_file_id)
-    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert [e["custom_id"] for e in errors] == ["bad", "refused"]
     assert "response_format.json_schema.name" in json.dumps(errors[0])
+    refused = json.dumps(errors[1])
+    assert "line 5" in refused and "refused by the grammar engine" in refused and "no-such-type" in refused
 
 
 def test_cancel_keeps_what_finished(

@@ -54,6 +54,28 @@ def choice_grammar(options: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)
 
 
+def grammar_for(spec: StructuredOutput) -> xgrammar.Grammar:
+    """The constraint as an xgrammar Grammar (no tokenizer needed); raises with the grammar engine's reason
+    when it refuses it. The one definition of each kind's grammar: engines compile it against their
+    tokenizer, and the API's submission check (grammar_check.py) only builds it."""
+    import xgrammar as xgr
+
+    if spec.kind == "json_schema":
+        # strict: no properties or items beyond those the schema names (OpenAI's strict mode)
+        return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.value)
+    if len(spec.value) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} options, got {len(spec.value)}")
+    return xgr.Grammar.from_ebnf(choice_grammar(spec.value))
+
+
+def refusal_message(spec: StructuredOutput, exc: Exception) -> str:
+    return f"{spec.kind} refused by the grammar engine: {_reason(exc)}"
+
+
 class StructuredDecoder:
     """Per engine: the tokenizer's xgrammar view, the compile cache, one matcher per sequence."""
 
@@ -113,20 +135,9 @@ class StructuredDecoder:
     def _compile(self, spec: StructuredOutput) -> Compiled:
         try:
             compiler = self._get_compiler()
-            if spec.kind == "json_schema":
-                # strict: no properties or items beyond those the schema names (OpenAI's strict mode)
-                grammar = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            elif spec.kind == "json_object":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif spec.kind == "regex":
-                grammar = compiler.compile_regex(spec.value)
-            else:
-                if len(spec.value) > MAX_CHOICES:
-                    return Compiled(None, f"choice: at most {MAX_CHOICES} options, got {len(spec.value)}")
-                grammar = compiler.compile_grammar(choice_grammar(spec.value))
+            return Compiled(compiler.compile_grammar(grammar_for(spec)), None)
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its reason
-            return Compiled(None, f"{spec.kind} refused by the grammar engine: {_reason(exc)}")
-        return Compiled(grammar, None)
+            return Compiled(None, refusal_message(spec, exc))
 
     # -- per sequence ----------------------------------------------------------------------------------
 

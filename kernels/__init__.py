@@ -20,6 +20,7 @@ from kernels.int8_linear import (  # noqa: E402
     quantize_weight_per_channel,
 )
 from kernels.kv_cache import write_kv_cache  # noqa: E402
+from kernels.norm import rms_norm  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "paged_prefill_attention",
     "quantize_per_token",
     "quantize_weight_per_channel",
+    "rms_norm",
     "select_backend",
     "write_kv_cache",
 ]

@@ -4,6 +4,7 @@
 //     rows holding q + 128, the unsigned activations oneDNN's qlinear takes with zero point 128;
 //   dequantize_rows: int32 or float32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
 //   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats;
+//   rms_norm: LlamaRMSNorm in one pass per row (the torch ops are six passes and two dtype copies);
 //   write_kv_int8: a step's keys or values -> their paged INT8 cache slots, quantized per (token, kv head)
 //     the same way, with the scale stored beside them (kernels/kv_cache.py).
 // Unfused, each of these is four to six full passes over an [M, N] tensor, which at prefill sizes cost
@@ -76,6 +77,19 @@ void dequantize_row_generic(const AccT* acc, float xs, const float* w_scale, con
   }
 }
 
+// RMSNorm of one row in LlamaRMSNorm's order: y = x * rsqrt(mean(x^2) + eps) in float32, rounded to the
+// row's dtype, then weight * y rounded again (for float32 the roundings are no-ops).
+template <typename T>
+void rms_norm_row_generic(const T* x, const T* weight, float eps, T* out, int64_t cols) {
+  float squares = 0.f;
+  for (int64_t c = 0; c < cols; ++c) squares += to_float(x[c]) * to_float(x[c]);
+  const float inv = 1.f / std::sqrt(squares / float(cols) + eps);
+  for (int64_t c = 0; c < cols; ++c) {
+    const float y = to_float(static_cast<T>(to_float(x[c]) * inv));
+    out[c] = static_cast<T>(to_float(weight[c]) * y);
+  }
+}
+
 template <typename AccT, typename OutT>
 void silu_mul_row_generic(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up,
                           OutT* out, int64_t cols) {
@@ -110,6 +124,31 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 }
 
 using freight::exp16;
+
+// float32 lanes rounded to bfloat16 (nearest even) and widened back, as torch's .to(bfloat16).float()
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline __m512 round_to(const float*, __m512 v) { return v; }
+inline __m512 round_to(const at::BFloat16*, __m512 v) { return round_bf16(v); }
+
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, float eps, T* out, int64_t cols) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __m512 v = load16(x + c, tail_mask(cols - c));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / float(cols) + eps));
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = tail_mask(cols - c);
+    const __m512 y = round_to(x, _mm512_mul_ps(load16(x + c, m), inv));
+    store16(out + c, _mm512_mul_ps(load16(weight + c, m), y), m);
+  }
+}
 
 template <typename InT, typename QT>
 void quantize_row(const InT* x, QT* q, float* scale_out, int64_t cols) {
@@ -334,6 +373,23 @@ void write_kv_int8_kernel(const InT* src, int64_t token_stride, int64_t head_str
   });
 }
 
+template <typename T>
+void rms_norm_kernel(const T* x, const T* weight, float eps, T* out, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#ifdef FREIGHT_SIMD
+      if constexpr (kVectorized<T>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        rms_norm_row(x + r * cols, weight, eps, out + r * cols, cols);
+        continue;
+#endif
+      }
+#endif
+      rms_norm_row_generic(x + r * cols, weight, eps, out + r * cols, cols);
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
 }
@@ -464,9 +520,26 @@ void write_kv_int8(torch::Tensor src, torch::Tensor slots, torch::Tensor cache, 
   });
 }
 
+// x [M, H] float32 or bfloat16 (contiguous), weight [H] of x's dtype -> out [M, H]: LlamaRMSNorm's result
+// (its order of operations; the sum of squares in another order, so bfloat16 results may differ from torch's
+// in the last bit of a few elements).
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must be like x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [H] vector of x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), float(eps),
+                    out.data_ptr<scalar_t>(), x.size(0), x.size(1));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("dequantize_silu_mul", &dequantize_silu_mul);
   m.def("write_kv_int8", &write_kv_int8);
+  m.def("rms_norm", &rms_norm);
 }

@@ -11,17 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import rms_norm
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.config import ModelConfig
 from worker.engine.quantization import Int8Backend, Linear, make_linear
 from worker.engine.rope import RotaryEmbedding
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # same order of operations as transformers' LlamaRMSNorm, so float32 runs match it exactly
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @dataclass

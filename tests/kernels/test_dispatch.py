@@ -181,7 +181,7 @@ def spy(monkeypatch: pytest.MonkeyPatch, op: Op) -> list[str]:
 
 
 def backend_that_ran(ran: list[str]) -> str:
-    # the compiled prefill kernel runs inside the torch path, which keeps SDPA for cached prefixes
+    # the compiled prefill kernel runs inside the torch path (paged_prefill_attention_torch calls it)
     return "compiled" if "compiled" in ran else ran[0]
 
 

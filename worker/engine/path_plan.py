@@ -115,7 +115,7 @@ class ExecutionPlan:
         # the same test the dispatch makes (kernels/prefill_attention.py), on a one-token stand-in
         query = torch.empty(1, 1, self.head_dim, dtype=DTYPES[self.scheme.dtype])
         if self._compiled("prefill") and cpu_prefill_attention.supports(query, query):
-            return f"compiled flash attention ({self.tier}, {self.scheme.dtype}); torch SDPA after a cached prefix"
+            return f"compiled flash attention ({self.tier}, {self.scheme.dtype}), cached prefixes included"
         return "torch SDPA per sequence"
 
     def _compiled(self, op: str) -> bool:

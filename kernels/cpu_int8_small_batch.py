@@ -42,9 +42,7 @@ def int8_product(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """x_q [M, K] int8, w_q [N, K] int8 (codes in [-127, 127]) -> x_q @ w_q.T as [M, N] int32, exact."""
     for name, t in (("x_q", x_q), ("w_q", w_q)):
         if t.dtype != torch.int8 or t.dim() != 2 or t.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be a 2-D int8 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}"
-            )
+            raise ValueError(f"{name} must be a 2-D int8 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     if x_q.shape[1] != w_q.shape[1]:
         raise ValueError(f"x_q is [M, K] = {list(x_q.shape)} but w_q is [N, K] = {list(w_q.shape)}")
     out = torch.empty((x_q.shape[0], w_q.shape[0]), dtype=torch.int32)
@@ -52,9 +50,7 @@ def int8_product(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype | None
-) -> torch.dtype:
+def _check(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     check_float_tensor("x", x, 2)
     N, K = w_q.shape
     if x.shape[1] != K:

@@ -3,7 +3,8 @@ csrc/prefill_attention_cpu.cpp).
 
 torch's CPU flash attention reaches about 50-100 GFLOP/s on these shapes (one call per sequence, head_dim
 64); the kernels run every chunk of the step in one parallel call, over the step's own keys and values
-with, for a chunk after a cached prefix, the prefix's keys and values in front (the caller gathers them). Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float32 with AVX2 + FMA
+with, for a chunk after a cached prefix, the prefix's keys and values in front (the caller gathers them).
+Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float32 with AVX2 + FMA
 (every x86 build tier from AVX2 up), each for head_dim 64 or 128. Everything else keeps the torch path.
 On a 2-core Zen 3 (AVX2) the float32 kernel takes 15 prompts of 4,200 tokens in all (9 heads, 3 kv heads,
 head_dim 64) in about 13 ms, 110 GFLOP/s; SDPA per sequence takes about 30 ms.

@@ -175,7 +175,6 @@ def write_kv_cache(
     backend = select_backend(
         key, compiled_supports=lambda: key_cache.dtype == torch.int8 and cpu_int8_linear.available()
     )
-    write = {"triton": write_kv_cache_triton, "compiled": write_kv_cache_cpu, "torch": write_kv_cache_torch}[
-        backend
-    ]
+    writers = {"triton": write_kv_cache_triton, "compiled": write_kv_cache_cpu, "torch": write_kv_cache_torch}
+    write = writers[backend]
     write(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)

@@ -28,11 +28,7 @@ TIER_FLAGS: dict[str, frozenset[str]] = {
 }  # fmt: skip
 # What torch (ATen), oneDNN and MKL are told when a lower tier is forced, so library paths run as there.
 TIER_LIBRARY_ENV: dict[str, dict[str, str]] = {
-    "generic": {
-        "ATEN_CPU_CAPABILITY": "default",
-        "ONEDNN_MAX_CPU_ISA": "SSE41",
-        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-    },
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "avx512": {},
 }
@@ -61,9 +57,7 @@ class CpuInfo:
 
     @property
     def has_native_bf16(self) -> bool:
-        return bool({"avx512_bf16", "amx_bf16"} & self.flags) or (
-            self.arch == "aarch64" and "bf16" in self.flags
-        )
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags) or (self.arch == "aarch64" and "bf16" in self.flags)
 
     @property
     def extensions(self) -> list[str]:
@@ -154,9 +148,7 @@ def cuda_info() -> CudaInfo | None:
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
-    return CudaInfo(
-        name=props.name, capability=f"{props.major}.{props.minor}", memory_gb=props.total_memory / 2**30
-    )
+    return CudaInfo(name=props.name, capability=f"{props.major}.{props.minor}", memory_gb=props.total_memory / 2**30)
 
 
 def describe() -> dict[str, object]:

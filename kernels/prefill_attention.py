@@ -7,6 +7,7 @@ seq_lens[i] - q_len_i + j and attends causally to keys 0..position.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -178,6 +179,17 @@ def paged_prefill_attention_triton(
     return out
 
 
+def _cached_rows(
+    cache: torch.Tensor, scale_cache: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [len(slots), kv_heads, head_dim] in dtype, dequantized from an INT8 cache
+    _, _, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    if scale_cache is None:
+        return rows.to(dtype)
+    scales = scale_cache.view(-1, num_kv_heads).index_select(0, slots)
+    return (rows.float() * scales.float()[..., None]).to(dtype)
+
+
 def _read_sequence(
     cache: torch.Tensor,
     scale_cache: torch.Tensor | None,
@@ -186,23 +198,10 @@ def _read_sequence(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The first `length` slots of one sequence: [kv_heads, length, head_dim] in `dtype` (a strided view)."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:length]
-    if scale_cache is not None:
-        scales = scale_cache.view(scale_cache.shape[0], -1).index_select(0, block_ids).view(-1, num_kv_heads)
-        rows = rows.float() * scales[:length, :, None]
-    return rows.to(dtype).transpose(0, 1)
-
-
-def _cached_rows(
-    cache: torch.Tensor, scale_cache: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:  # [len(slots), kv_heads, head_dim] in dtype
-    _, _, num_kv_heads, head_dim = cache.shape
-    rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-    if scale_cache is None:
-        return rows.to(dtype)
-    scales = scale_cache.view(-1, num_kv_heads).index_select(0, slots)
-    return (rows.float() * scales.float()[..., None]).to(dtype)
+    block_size = cache.shape[1]
+    offsets = torch.arange(block_size, device=block_ids.device)
+    slots = (block_ids.to(torch.int64)[:, None] * block_size + offsets).flatten()[:length]
+    return _cached_rows(cache, scale_cache, slots, dtype).transpose(0, 1)
 
 
 def _contexts(
@@ -236,17 +235,11 @@ def _contexts(
     segment_first = torch.stack([prefix_starts + num_tokens, torch.tensor(starts[:-1])], 1).flatten()
     segment_lens = torch.stack([prefix_lens, torch.tensor(lens) - prefix_lens], 1).flatten()
     segment_at = torch.cumsum(segment_lens, 0) - segment_lens
-    rows = torch.arange(int(segment_lens.sum())) + torch.repeat_interleave(
-        segment_first - segment_at, segment_lens
-    )
+    rows = torch.arange(int(segment_lens.sum())) + torch.repeat_interleave(segment_first - segment_at, segment_lens)
     rows = rows.to(key.device)
-    keys = torch.cat([key.to(dtype), _cached_rows(key_cache, k_scale_cache, slots, dtype)]).index_select(
-        0, rows
-    )
-    values = torch.cat(
-        [value.to(dtype), _cached_rows(value_cache, v_scale_cache, slots, dtype)]
-    ).index_select(0, rows)
-    return keys, values
+    keys = torch.cat([key.to(dtype), _cached_rows(key_cache, k_scale_cache, slots, dtype)])
+    values = torch.cat([value.to(dtype), _cached_rows(value_cache, v_scale_cache, slots, dtype)])
+    return keys.index_select(0, rows), values.index_select(0, rows)
 
 
 def paged_prefill_attention_torch(
@@ -276,16 +269,11 @@ def paged_prefill_attention_torch(
     )
     out = torch.empty_like(query)
     if key is not None and value is not None and (key.shape != value.shape or key.shape[0] != query.shape[0]):
-        raise ValueError(
-            f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}"
-        )
+        raise ValueError(f"key and value must be [{query.shape[0]}, kv_heads, head_dim], got {tuple(key.shape)}")
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for seq, seq_len in enumerate(lens):
-        if (
-            starts[seq + 1] - starts[seq] > seq_len
-            or cdiv(seq_len, layout.block_size) > block_tables.shape[1]
-        ):
+        if starts[seq + 1] - starts[seq] > seq_len or cdiv(seq_len, layout.block_size) > block_tables.shape[1]:
             raise ValueError(
                 f"sequence {seq}: {starts[seq + 1] - starts[seq]} queries but seq_lens = {seq_len} with "
                 f"{block_tables.shape[1]} blocks"
@@ -296,9 +284,7 @@ def paged_prefill_attention_torch(
             key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, block_tables, starts, lens,
             query.dtype,
         )  # fmt: skip
-        kv_starts = [0]
-        for n in lens[:-1]:
-            kv_starts.append(kv_starts[-1] + n)
+        kv_starts = [0, *itertools.accumulate(lens[:-1])]
         cpu_prefill_attention.prefill_attention_cpu(
             query, keys, values, starts[:-1], q_lens, scale, out, kv_starts=kv_starts, kv_lens=lens
         )
@@ -317,9 +303,7 @@ def paged_prefill_attention_torch(
         else:
             dtype = cache_dtype
             block_ids = block_tables[seq, :num_blocks]
-            keys = _read_sequence(
-                key_cache, k_scale_cache, block_ids, seq_len, dtype
-            )  # [kv_heads, seq_len, D]
+            keys = _read_sequence(key_cache, k_scale_cache, block_ids, seq_len, dtype)  # [kv_heads, seq_len, D]
             values = _read_sequence(value_cache, v_scale_cache, block_ids, seq_len, dtype)
         q = query[q_start:q_end].transpose(0, 1).to(dtype)  # [num_heads, q_len, D]
         if q_len == seq_len:

@@ -26,7 +26,11 @@ START_TIMEOUT_S = 60.0  # the child imports torch and xgrammar
 ANSWER_TIMEOUT_S = 10.0
 CACHE_ENTRIES = 1024
 
-GrammarRefusal = Callable[[StructuredSpec], "str | None"]  # the grammar engine's refusal, or None
+GrammarRefusal = Callable[[StructuredSpec], str | None]  # the grammar engine's refusal, or None
+
+
+class _NoAnswer(Exception):
+    """The child could not be asked (not started, died, too slow): the check says nothing."""
 
 
 class GrammarChecker:
@@ -45,12 +49,14 @@ class GrammarChecker:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            answer = self._ask({"kind": spec.kind, "value": spec.value})
-            if answer is not _UNKNOWN:
-                self._cache[key] = answer
-                while len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-            return None if answer is _UNKNOWN else answer
+            try:
+                answer = self._ask({"kind": spec.kind, "value": spec.value})
+            except _NoAnswer:
+                return None
+            self._cache[key] = answer
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return answer
 
     def close(self) -> None:
         with self._lock:
@@ -58,10 +64,8 @@ class GrammarChecker:
 
     # -- the child process (called under the lock) ------------------------------------------------------
 
-    def _ask(self, request: dict) -> str | None | object:
+    def _ask(self, request: dict) -> str | None:
         process = self._started()
-        if process is None:
-            return _UNKNOWN
         try:
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
@@ -70,13 +74,13 @@ class GrammarChecker:
         except (OSError, ValueError, KeyError, TimeoutError) as exc:
             log.warning("grammar check failed (%s); restarting its process on the next check", exc)
             self._stop()
-            return _UNKNOWN
+            raise _NoAnswer from exc
 
-    def _started(self) -> subprocess.Popen[str] | None:
+    def _started(self) -> subprocess.Popen[str]:
         if self._process is not None and self._process.poll() is None:
             return self._process
         if self._unavailable:
-            return None
+            raise _NoAnswer
         try:
             self._process = subprocess.Popen(
                 self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -89,7 +93,7 @@ class GrammarChecker:
             log.warning("the grammar check cannot run (%s): constraints are checked by the workers only", exc)
             self._stop()
             self._unavailable = True
-            return None
+            raise _NoAnswer from exc
         return self._process
 
     def _stop(self) -> None:
@@ -97,9 +101,6 @@ class GrammarChecker:
             self._process.kill()
             self._process.wait()
             self._process = None
-
-
-_UNKNOWN = object()
 
 
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:

@@ -19,15 +19,8 @@ from storage.summary_store import summary_counts
 
 # Engine counters that add up across attempts (each attempt records its own difference).
 SUMMED_STATS = (
-    "steps",
-    "computed_tokens",
-    "cached_prompt_tokens",
-    "draft_tokens",
-    "accepted_draft_tokens",
-    "padding_tokens",
-    "preemptions",
-    "batch_size_sum",
-    "busy_seconds",
+    "steps", "computed_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens",
+    "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds",
 )
 
 

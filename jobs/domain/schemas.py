@@ -217,9 +217,7 @@ class JobMetrics(BaseModel):
     computed_tokens: int
     cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV came from the prefix cache")
     draft_tokens: int = Field(0, description="speculative draft tokens the model verified")
-    accepted_draft_tokens: int = Field(
-        0, description="draft tokens the model agreed with (emitted without a step)"
-    )
+    accepted_draft_tokens: int = Field(0, description="draft tokens the model agreed with (emitted without a step)")
     device_seconds: float = Field(description="engine busy time, summed over shards")
     wall_seconds: float = Field(description="first shard started to job finished")
     queue_seconds: float = Field(description="job created to first shard started")

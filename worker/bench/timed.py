@@ -30,7 +30,5 @@ def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> 
     outputs = llm.generate(batch, params)
     seconds = time.perf_counter() - started
     after = llm.stats.as_dict()
-    spent = {
-        name: after[name] - before[name] for name, value in after.items() if isinstance(value, int | float)
-    }
+    spent = {name: after[name] - before[name] for name, value in after.items() if isinstance(value, int | float)}
     return TimedRun(outputs, seconds, spent)

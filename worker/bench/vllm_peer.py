@@ -44,13 +44,7 @@ def vllm_environment(python: Path, threads: int) -> dict[str, str]:
 
 
 def run_vllm(
-    *,
-    python: Path,
-    script: Path | None,
-    model_path: Path,
-    workload: Workload,
-    dtype: str,
-    threads: int,
+    *, python: Path, script: Path | None, model_path: Path, workload: Workload, dtype: str, threads: int,
     timeout_s: float,
 ) -> tuple[dict, list[list[int]] | None]:
     """vLLM's JSON line and its output tokens in workload order; tokens None when it timed out."""

@@ -5,12 +5,4 @@ from worker.engine.llm import LLM
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.sampling_params import SamplingParams
 
-__all__ = [
-    "LLM",
-    "EngineConfig",
-    "EngineStats",
-    "ModelConfig",
-    "RequestOutput",
-    "RequestTimings",
-    "SamplingParams",
-]
+__all__ = ["LLM", "EngineConfig", "EngineStats", "ModelConfig", "RequestOutput", "RequestTimings", "SamplingParams"]

@@ -42,9 +42,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.keys = torch.empty(
-            shape, dtype=dtype, device=device
-        )  # [layers, blocks, block_size, kv_heads, head_dim]
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # [layers, blocks, block_size, kv_heads, head_dim]
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.quantized = dtype == torch.int8
         # CPU: the compiled kernels or torch's paths (worker/engine/attention_plan.py measures which)
@@ -81,55 +79,23 @@ class KVCache:
         nd = meta.num_decode_tokens
         if nd == query.shape[0]:
             return paged_decode_attention(
-                query,
-                key_cache,
-                value_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                scale,
-                key_scales,
-                value_scales,
-                compiled=self.compiled_decode,
+                query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                scale, key_scales, value_scales, compiled=self.compiled_decode,
             )
         if nd == 0:
             return paged_prefill_attention(
-                query,
-                key_cache,
-                value_cache,
-                meta.prefill_block_tables,
-                meta.prefill_query_start_loc,
-                meta.prefill_seq_lens,
-                scale,
-                key_scales,
-                value_scales,
-                key=key,
-                value=value,
+                query, key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_seq_lens, scale, key_scales, value_scales, key=key, value=value,
                 compiled=self.compiled_prefill,
             )
         out = torch.empty_like(query)
         out[:nd] = paged_decode_attention(
-            query[:nd],
-            key_cache,
-            value_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-            key_scales,
-            value_scales,
-            compiled=self.compiled_decode,
+            query[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+            scale, key_scales, value_scales, compiled=self.compiled_decode,
         )
         out[nd:] = paged_prefill_attention(
-            query[nd:],
-            key_cache,
-            value_cache,
-            meta.prefill_block_tables,
-            meta.prefill_query_start_loc,
-            meta.prefill_seq_lens,
-            scale,
-            key_scales,
-            value_scales,
-            key=key[nd:],
-            value=value[nd:],
+            query[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_seq_lens, scale, key_scales, value_scales, key=key[nd:], value=value[nd:],
             compiled=self.compiled_prefill,
         )
         return out

@@ -24,9 +24,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """A free list plus, with caching, an LRU of released cached blocks; block tables grow one block at a time."""
 
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = False, salt: str = ""
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, salt: str = "") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching

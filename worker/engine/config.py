@@ -7,11 +7,7 @@ from typing import Literal
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -52,18 +48,14 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'auto' or 'int8', got {self.quantization!r}")
         if self.int8_backend not in ("auto", "int_mm", "onednn"):
             raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
-        if self.small_batch_rows != "auto" and not (
-            isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0
-        ):
+        if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
             raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculation_max_rows != "auto" and not (
             isinstance(self.speculation_max_rows, int) and self.speculation_max_rows >= 0
         ):
-            raise ValueError(
-                f"speculation_max_rows must be 'auto' or an int >= 0, got {self.speculation_max_rows!r}"
-            )
+            raise ValueError(f"speculation_max_rows must be 'auto' or an int >= 0, got {self.speculation_max_rows!r}")
         if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
         if self.scheduling not in ("length", "fifo"):

@@ -42,12 +42,8 @@ def doctor_report(
 
 def format_report(report: dict[str, Any]) -> str:
     machine, plan = report["machine"], report["plan"]
-    kernels = ", ".join(
-        f"{op}: {'built' if ok else 'not built'}" for op, ok in report["compiled_kernels"].items()
-    )
-    forced = (
-        "" if machine["tier"] == machine["native_tier"] else f" (forced; native {machine['native_tier']})"
-    )
+    kernels = ", ".join(f"{op}: {'built' if ok else 'not built'}" for op, ok in report["compiled_kernels"].items())
+    forced = "" if machine["tier"] == machine["native_tier"] else f" (forced; native {machine['native_tier']})"
     lines = [
         f"CPU        {machine['cpu']} ({machine['arch']}), {machine['cores']} cores, {machine['threads']} threads",
         f"ISA tier   {machine['tier']}{forced}; extensions: {' '.join(machine['extensions']) or '-'}",
@@ -60,19 +56,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"scheme     {plan['scheme']} ({plan['source']}; fastest measured: {plan['best'] or '-'})",
     ]
     for name, seconds in sorted(plan["seconds_per_token"].items(), key=lambda item: item[1]):
-        lines.append(
-            f"  {name:<26} {seconds * 1e6:9.1f} us per token (every layer + LM head, mean of prefill and decode)"
-        )
+        lines.append(f"  {name:<26} {seconds * 1e6:9.1f} us per token (every layer + LM head, mean of prefill and decode)")
     if plan.get("small_batch"):
         small = plan["small_batch"]
-        lines.append(
-            f"small batch INT8 kernel up to {small['rows']} rows (one pass over the sampled layers, ms):"
-        )
+        lines.append(f"small batch INT8 kernel up to {small['rows']} rows (one pass over the sampled layers, ms):")
         for rows in sorted({int(key.split("/")[0]) for key in small["seconds"]}):
             ours, library = small["seconds"][f"{rows}/small"], small["seconds"][f"{rows}/library"]
-            lines.append(
-                f"  {rows:>4} rows   small-batch {ours * 1e3:7.2f}   library GEMM {library * 1e3:7.2f}"
-            )
+            lines.append(f"  {rows:>4} rows   small-batch {ours * 1e3:7.2f}   library GEMM {library * 1e3:7.2f}")
     lines.append("paths")
     lines += [f"  {op:<24} {path}" for op, path in plan["paths"].items()]
     return "\n".join(lines)

@@ -57,13 +57,8 @@ class LLMEngine:
         if scheme.quantization == "int8" and config.smoothing:
             tensors = self._smoothed(tensors)
         self.model = LlamaModel(
-            self.model_config,
-            tensors,
-            self.dtype,
-            scheme.quantization,
-            self.device,
-            max_positions=self.max_model_len,
-            int8_backend=scheme.int8_backend,
+            self.model_config, tensors, self.dtype, scheme.quantization, self.device,
+            max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
             small_batch_rows=self._small_batch_rows(),
         )
         del checkpoint, tensors
@@ -76,9 +71,7 @@ class LLMEngine:
         salt = f"{config.model}|{scheme.dtype}|{scheme.quantization}|{config.smoothing}|{self.kv_dtype}"
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.blocks)
-        self.speculator = (
-            self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
-        )
+        self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
         self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)
@@ -108,11 +101,7 @@ class LLMEngine:
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
         float_model = LlamaModel(
-            self.model_config,
-            tensors,
-            self.dtype,
-            None,
-            self.device,
+            self.model_config, tensors, self.dtype, None, self.device,
             max_positions=self.max_model_len,
         )
         ids = calibration_token_ids(self.tokenizer, min(CALIBRATION_TOKENS, self.max_model_len))
@@ -169,10 +158,8 @@ class LLMEngine:
             return f"prompt token ids must be in [0, {vocab})"
         longest = min(n + seq.params.max_tokens, self.max_model_len)
         if blocks_for(longest, self.config.block_size) > self.blocks.num_blocks:
-            return (
-                f"request needs up to {longest} tokens of KV cache but the pool holds "
-                f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory_gb"
-            )
+            return (f"request needs up to {longest} tokens of KV cache but the pool holds "
+                    f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory_gb")
         return None
 
     def has_unfinished(self) -> bool:

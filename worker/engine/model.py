@@ -44,9 +44,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
 
-        def linear(
-            weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
-        ) -> Linear:
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
             return make_linear(weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows)
 
         def get(name: str) -> torch.Tensor:
@@ -63,11 +61,7 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = (
-                torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                if config.attention_bias
-                else None
-            )
+            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None
             gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             self.layers.append(
                 DecoderLayer(
@@ -100,9 +94,7 @@ class LlamaModel:
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv(x)
             # queries and keys sit side by side in the fused output: one rotation for both
-            qk = self.rope.apply(
-                qkv[:, : self.q_size + self.kv_size].view(-1, self.qk_heads, cfg.head_dim), rope
-            )
+            qk = self.rope.apply(qkv[:, : self.q_size + self.kv_size].view(-1, self.qk_heads, cfg.head_dim), rope)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = kv_cache.attend(i, q, k, v, meta, self.scale)

@@ -64,11 +64,7 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        return (
-            self.dtype
-            if self.quantization is None
-            else f"{self.dtype}+{self.quantization}/{self.int8_backend}"
-        )
+        return self.dtype if self.quantization is None else f"{self.dtype}+{self.quantization}/{self.int8_backend}"
 
 
 @dataclass
@@ -92,9 +88,7 @@ class ExecutionPlan:
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
             if self.small_batch is not None and self.small_batch.rows:
-                gemm += (
-                    f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier})"
-                )
+                gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier})"
         else:
             gemm, quantize = f"{s.dtype} GEMM", "none"
         if self.tier == "cuda":
@@ -125,11 +119,7 @@ class ExecutionPlan:
 
     def to_json(self) -> dict[str, object]:
         attention = None if self.attention is None else self.attention.seconds
-        small = (
-            None
-            if self.small_batch is None
-            else {"rows": self.small_batch.rows, "seconds": self.small_batch.seconds}
-        )
+        small = None if self.small_batch is None else {"rows": self.small_batch.rows, "seconds": self.small_batch.seconds}
         return {"tier": self.tier, "scheme": self.scheme.name, "source": self.source, "best": self.best,
                 "seconds_per_token": self.seconds_per_token, "attention_seconds": attention,
                 "small_batch": small, "paths": self.paths()}  # fmt: skip
@@ -157,9 +147,7 @@ def cuda_auto_quantization(model: ModelConfig) -> str | None:
     return "int8" if model.hidden_size >= CUDA_INT8_MIN_HIDDEN else None
 
 
-def plan_for(
-    config: EngineConfig, model: ModelConfig, device: torch.device, cache_dir: Path | None
-) -> ExecutionPlan:
+def plan_for(config: EngineConfig, model: ModelConfig, device: torch.device, cache_dir: Path | None) -> ExecutionPlan:
     """Resolve config's "auto" choices on `device`; measure (or read the cache) on CPU."""
     if device.type == "cuda":
         dtype = "bfloat16" if config.dtype == "auto" else config.dtype
@@ -172,11 +160,7 @@ def plan_for(
     if not allowed:
         raise ValueError(f"no scheme runs dtype={config.dtype} quantization={config.quantization} "
                          f"int8_backend={config.int8_backend} here")  # fmt: skip
-    path = (
-        None
-        if cache_dir is None
-        else cache_dir / f"{cache_key(model, config.max_num_seqs, config.kv_cache_dtype)}.json"
-    )
+    path = None if cache_dir is None else cache_dir / f"{cache_key(model, config.max_num_seqs, config.kv_cache_dtype)}.json"
     timings = _read_cache(path, candidates)
     source = "cache"
     if timings is None and len(allowed) > 1:  # a choice to make: measure, one process at a time
@@ -192,12 +176,7 @@ def plan_for(
     if ratio > SLOW_RATIO:
         log.warning(
             "dtype=%s quantization=%s runs %s here, measured %.1fx slower than %s; dtype='auto' and "
-            "quantization='auto' would pick that",
-            config.dtype,
-            config.quantization,
-            chosen.name,
-            ratio,
-            best,
+            "quantization='auto' would pick that", config.dtype, config.quantization, chosen.name, ratio, best,
         )
     return ExecutionPlan(tier=tier, scheme=chosen, head_dim=model.head_dim, source=source,
                          seconds_per_token=timings, best=best)  # fmt: skip
@@ -210,9 +189,7 @@ def pick_scheme(allowed: list[Scheme], timings: dict[str, float]) -> Scheme:
     return min(tied, key=lambda s: (s.quantization is None, timings[s.name]))
 
 
-def plan_cpu_kernels(
-    plan: ExecutionPlan, config: EngineConfig, model: ModelConfig, cache_dir: Path | None
-) -> None:
+def plan_cpu_kernels(plan: ExecutionPlan, config: EngineConfig, model: ModelConfig, cache_dir: Path | None) -> None:
     """Complete a CPU plan with the measured (or cached) kernel choices: compiled or torch attention, and
     up to which batch size the INT8 products run the small-batch kernel."""
     dtype = DTYPES[plan.scheme.dtype]
@@ -267,9 +244,7 @@ def attention_cache_file(
     return cache_dir / f"{cache_key(model, max_num_seqs)}-attention-{names[0]}-{names[1]}.json"
 
 
-def small_batch_cache_file(
-    cache_dir: Path | None, model: ModelConfig, max_num_seqs: int, scheme: Scheme
-) -> Path | None:
+def small_batch_cache_file(cache_dir: Path | None, model: ModelConfig, max_num_seqs: int, scheme: Scheme) -> Path | None:
     if cache_dir is None:
         return None
     return cache_dir / f"{cache_key(model, max_num_seqs)}-small-batch-{scheme.name.replace('/', '-')}.json"
@@ -329,9 +304,7 @@ class _OneLayer:
     cache: times a whole layer (norms, RoPE, attention, projections) at prefill and decode sizes, since
     a dtype's cost is not only its GEMMs (bfloat16 norms and attention are slow without AVX-512 BF16)."""
 
-    def __init__(
-        self, model: ModelConfig, scheme: Scheme, kv_dtype: torch.dtype, rows: int, gen: torch.Generator
-    ):
+    def __init__(self, model: ModelConfig, scheme: Scheme, kv_dtype: torch.dtype, rows: int, gen: torch.Generator):
         self.dtype = DTYPES[scheme.dtype]
         self.config = replace(model, num_layers=1, vocab_size=min(model.vocab_size, HEAD_VOCAB))
         self.head_scale = model.vocab_size / self.config.vocab_size
@@ -377,31 +350,21 @@ class _OneLayer:
         return lambda: self.model.forward(ids, positions, meta, self.cache)
 
 
+
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     p = "model.layers.0."
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-        p + "input_layernorm.weight": (h,),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (config.num_heads * d, h),
-        p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-        p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
-        p + "self_attn.o_proj.weight": (h, config.num_heads * d),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,),
+              p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+              p + "self_attn.q_proj.weight": (config.num_heads * d, h),
+              p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+              p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
+              p + "self_attn.o_proj.weight": (h, config.num_heads * d),
+              p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
     if config.attention_bias:
-        shapes |= {
-            p + f"self_attn.{n}_proj.bias": (s[0],)
-            for n, s in (
-                ("q", shapes[p + "self_attn.q_proj.weight"]),
-                ("k", shapes[p + "self_attn.k_proj.weight"]),
-                ("v", shapes[p + "self_attn.v_proj.weight"]),
-            )
-        }
+        shapes |= {p + f"self_attn.{n}_proj.bias": (s[0],) for n, s in
+                   (("q", shapes[p + "self_attn.q_proj.weight"]), ("k", shapes[p + "self_attn.k_proj.weight"]),
+                    ("v", shapes[p + "self_attn.v_proj.weight"]))}
     return shapes  # fmt: skip
 
 

@@ -22,11 +22,7 @@ Int8Backend = Literal["int_mm", "onednn", "triton"]
 
 class FloatLinear:
     def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-        out_dtype: torch.dtype | None,
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
     ) -> None:
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = bias.to(dtype) if bias is not None else None
@@ -89,9 +85,7 @@ class Int8Linear:
             gate, up = self(x).chunk(2, dim=-1)
             return F.silu(gate) * up
         if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
-                x, self.small.codes, self.w_scale, self.out_dtype
-            )
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(x, self.small.codes, self.w_scale, self.out_dtype)
         return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
 
 

@@ -33,9 +33,7 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2]
 
 
 class RotaryEmbedding:
-    def __init__(
-        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         inv_freq = inverse_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
@@ -54,7 +52,3 @@ class RotaryEmbedding:
         cos, signed_sin = tables
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
         return x * cos + swapped * signed_sin
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, heads, head_dim]; positions: [num_tokens]."""
-        return self.apply(x, self.tables(positions))

@@ -35,9 +35,7 @@ class Sequence:
     stop_text_end: int | None = None  # where the text is cut when a stop string matched
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = (
-        None  # per-request RNG, so a seeded request samples alike in any batch
-    )
+    generator: torch.Generator | None = None  # per-request RNG, so a seeded request samples alike in any batch
     draft_state: DraftState | None = None  # prompt-lookup drafting, made when the sequence first may draft
 
     @property
@@ -68,9 +66,5 @@ class Sequence:
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) across prompt and output."""
-        all_ids = (
-            self.prompt_token_ids + self.output_token_ids
-            if end > self.num_prompt_tokens
-            else self.prompt_token_ids
-        )
+        all_ids = self.prompt_token_ids + self.output_token_ids if end > self.num_prompt_tokens else self.prompt_token_ids
         return all_ids[start:end]

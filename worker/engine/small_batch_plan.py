@@ -77,9 +77,7 @@ def measure_small_batch(model: ModelConfig, dtype: str, int8_backend: str) -> di
     return seconds
 
 
-def _library_product(
-    codes: torch.Tensor, scale: torch.Tensor, int8_backend: str
-) -> Callable[[torch.Tensor], object]:
+def _library_product(codes: torch.Tensor, scale: torch.Tensor, int8_backend: str) -> Callable[[torch.Tensor], object]:
     if int8_backend == "onednn":
         packed = cpu_int8_linear.prepack_codes(codes, scale)
         return lambda x: cpu_int8_linear.int8_linear_onednn(x, packed)
@@ -97,9 +95,7 @@ def rows_from(seconds: dict[str, float]) -> int:
     return rows
 
 
-def choose_small_batch(
-    model: ModelConfig, dtype: str, int8_backend: str, cache_file: Path | None
-) -> SmallBatchChoice:
+def choose_small_batch(model: ModelConfig, dtype: str, int8_backend: str, cache_file: Path | None) -> SmallBatchChoice:
     """Measured (or cached) on CPU when the kernel is built; never otherwise."""
     if not cpu_int8_small_batch.available():
         return SmallBatchChoice(rows=0, seconds={})

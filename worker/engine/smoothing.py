@@ -137,8 +137,6 @@ def smooth_tensors(
     # the LM head's input: fold 1 / s into the final norm; a tied head gets its own scaled copy
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     s = smoothing_scales(maxima.head, head)
-    out["model.norm.weight"] = (tensors["model.norm.weight"].float() / s).to(
-        tensors["model.norm.weight"].dtype
-    )
+    out["model.norm.weight"] = (tensors["model.norm.weight"].float() / s).to(tensors["model.norm.weight"].dtype)
     out["lm_head.weight"] = (head.float() * s).to(head.dtype)
     return out

@@ -41,9 +41,7 @@ class StatsRecorder:
         s.timeline.append(
             {
                 "t": round(now - self._origin, 3),
-                "tokens_per_s": round(self._tokens_since / self._seconds_since, 1)
-                if self._seconds_since
-                else 0.0,
+                "tokens_per_s": round(self._tokens_since / self._seconds_since, 1) if self._seconds_since else 0.0,
                 "running": running,
                 "kv_blocks_used": kv_blocks_used,
             }

@@ -17,9 +17,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    sample_rows: list[
-        int
-    ]  # rows whose logits are sampled: each sampling sequence's last token, then its draft
+    sample_rows: list[int]  # rows whose logits are sampled: each sampling sequence's last token, then its draft
     sample_seqs: list[Sequence]
     sample_drafts: list[list[int]]  # per sampling sequence, the draft its rows after the first score
     prefill_offsets: list[int]  # first row of each prefill chunk
@@ -77,9 +75,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
         num_decode_tokens=num_decodes,
         decode_block_tables=_block_tables(decode_tables, device) if out.decodes else None,
         decode_context_lens=i32([p + 1 for p in positions[:num_decodes]]) if out.decodes else None,
-        prefill_block_tables=_block_tables([s.block_table for s in prefill_seqs], device)
-        if prefill_seqs
-        else None,
+        prefill_block_tables=_block_tables([s.block_table for s in prefill_seqs], device) if prefill_seqs else None,
         prefill_query_start_loc=i32(query_start_loc) if prefill_seqs else None,
         prefill_seq_lens=i32([c.end for c in out.prefills]) if prefill_seqs else None,
     )

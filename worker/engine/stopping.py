@@ -9,9 +9,7 @@ from worker.engine.sequence import Sequence
 
 
 class FinishChecker:
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_model_len = max_model_len

@@ -62,9 +62,7 @@ class ContentionMeter:
         self._start = (_machine_busy_seconds(), time.process_time(), time.perf_counter())
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         busy, own, wall = _machine_busy_seconds(), time.process_time(), time.perf_counter()
         busy0, own0, wall0 = self._start
         if busy is None or busy0 is None or wall <= wall0:

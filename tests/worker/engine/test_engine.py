@@ -9,13 +9,7 @@ from worker.engine import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir) -> LLM:
-    return LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        quantization=None,
-        kv_cache_dtype="auto",
-        kv_cache_memory_gb=0.05,
-    )
+    return LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=0.05)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -31,9 +25,7 @@ def test_outputs_in_input_order_with_exact_token_accounting(tiny: LLM) -> None:
     outs = tiny.generate(batch, SamplingParams(max_tokens=7, ignore_eos=True))
     after = tiny.stats.as_dict()
     assert [o.index for o in outs] == list(range(20))
-    assert all(
-        o.prompt_token_ids == p and len(o.output_token_ids) == 7 for o, p in zip(outs, batch, strict=True)
-    )
+    assert all(o.prompt_token_ids == p and len(o.output_token_ids) == 7 for o, p in zip(outs, batch, strict=True))
     assert all(o.finish_reason == "length" and o.error is None for o in outs)
     prompt_tokens = sum(map(len, batch))
     assert after["prompt_tokens"] - before["prompt_tokens"] == prompt_tokens
@@ -81,19 +73,10 @@ def test_preemption_gives_same_greedy_tokens(tiny_llama_dir) -> None:
 
 
 def test_request_that_cannot_fit_errors_alone(tiny_llama_dir) -> None:
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        quantization=None,
-        kv_cache_dtype="auto",
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=10,
-    )
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
+              max_model_len=64, block_size=4, num_kv_blocks=10)
     ok = [5, 6, 7]
-    outs = llm.generate(
-        [ok, list(range(100, 180)), [], ok * 12], SamplingParams(max_tokens=4, ignore_eos=True)
-    )
+    outs = llm.generate([ok, list(range(100, 180)), [], ok * 12], SamplingParams(max_tokens=4, ignore_eos=True))
     assert outs[0].finish_reason == "length" and len(outs[0].output_token_ids) == 4
     assert outs[1].finish_reason == "error" and "max_model_len" in outs[1].error
     assert outs[2].finish_reason == "error" and "empty" in outs[2].error
@@ -110,9 +93,7 @@ def test_seeded_sampling_is_batch_invariant(tiny: LLM) -> None:
     others = [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)] * 9
     in_batch = tiny.generate(prompts(9, seed=5) + [target], [*others, params])[-1].output_token_ids
     assert alone == in_batch
-    other_seed = tiny.generate(
-        [target], SamplingParams(max_tokens=12, temperature=0.8, seed=99, ignore_eos=True)
-    )
+    other_seed = tiny.generate([target], SamplingParams(max_tokens=12, temperature=0.8, seed=99, ignore_eos=True))
     assert other_seed[0].output_token_ids != alone
 
 
@@ -141,15 +122,12 @@ def test_max_and_min_tokens(tiny: LLM) -> None:
     assert stopped.output_token_ids == [first] and stopped.finish_reason == "stop"
     held = tiny.generate([prompt], SamplingParams(max_tokens=10, min_tokens=5, stop_token_ids=[first]))[0]
     assert len(held.output_token_ids) >= 5 and first not in held.output_token_ids[:5]
-    assert (
-        len(tiny.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids) == 10
-    )
+    assert len(tiny.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids) == 10
 
 
 def test_logprobs_are_reported_per_token(tiny: LLM) -> None:
-    out = tiny.generate(
-        [[51, 52, 53, 54]], SamplingParams(max_tokens=5, logprobs=True, prompt_logprobs=True, ignore_eos=True)
-    )[0]
+    out = tiny.generate([[51, 52, 53, 54]], SamplingParams(max_tokens=5, logprobs=True, prompt_logprobs=True,
+                                                           ignore_eos=True))[0]
     assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
     assert len(out.prompt_logprobs) == 3 and all(lp <= 0 for lp in out.prompt_logprobs)
 
@@ -170,13 +148,8 @@ def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir) -> None:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "auto"])
 def test_int8_weights_run_with_either_cache(tiny_llama_dir, kv_cache_dtype: str) -> None:
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="bfloat16",
-        quantization="int8",
-        kv_cache_dtype=kv_cache_dtype,
-        num_kv_blocks=200,
-    )
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8", kv_cache_dtype=kv_cache_dtype,
+              num_kv_blocks=200)
     outs = llm.generate(prompts(10, seed=2), SamplingParams(max_tokens=5, ignore_eos=True))
     assert all(len(o.output_token_ids) == 5 and o.error is None for o in outs)
     assert llm.stats.padding_tokens == 0

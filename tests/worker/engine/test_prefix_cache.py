@@ -112,9 +112,7 @@ def test_shared_prefix_is_computed_once_and_rows_sort_by_uncached_tokens() -> No
     sched = Scheduler(config, blocks)
     shared = list(range(1000, 1040))  # 10 blocks
     rows = [make_seq(i, shared + [i] * (2 + i)) for i in range(3)]
-    loner = make_seq(
-        3, list(range(2000, 2020))
-    )  # shorter in total than any row, longer than their unique part
+    loner = make_seq(3, list(range(2000, 2020)))  # shorter in total than any row, longer than their unique part
     for seq in [loner, *rows]:
         sched.add(seq)
     out = sched.schedule()
@@ -180,9 +178,7 @@ def test_same_greedy_tokens_with_and_without_caching(plain: LLM, cached: LLM) ->
     hits = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
     assert hits > 0
     # every prompt token is either computed or served from the cache, exactly once
-    assert (
-        after["computed_tokens"] - before["computed_tokens"] == sum(map(len, batch)) - hits + len(batch) * 11
-    )
+    assert after["computed_tokens"] - before["computed_tokens"] == sum(map(len, batch)) - hits + len(batch) * 11
     assert_released(cached)
     # the same batch again: everything up to each prompt's last block comes from the cache
     again = cached.stats.cached_prompt_tokens

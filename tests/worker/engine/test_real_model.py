@@ -28,9 +28,7 @@ def chat_prompts(tokenizer, start: int, n: int, max_len: int) -> list[list[int]]
 
 @pytest.fixture(scope="module")
 def llm_fp32(smollm2_path) -> LLM:
-    return LLM(
-        str(smollm2_path), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=1.0
-    )
+    return LLM(str(smollm2_path), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=1.0)
 
 
 def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
@@ -49,7 +47,7 @@ def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
     matches = 0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), generation_config=gen_config)[0, len(prompt) :].tolist()
+            ref = hf.generate(torch.tensor([prompt]), generation_config=gen_config)[0, len(prompt):].tolist()
         matches += out.output_token_ids == ref
     print(f"greedy parity with transformers: {matches}/32 prompts, lengths {lengths[0]}..{lengths[-1]}")
     assert matches >= 30
@@ -61,9 +59,7 @@ def test_batch_invariance(llm_fp32: LLM) -> None:
     batched = llm_fp32.generate(prompts, params)
     for i in range(0, 64, 8):  # eight of them alone
         alone = llm_fp32.generate([prompts[i]], params)[0]
-        assert alone.output_token_ids == batched[i].output_token_ids, (
-            f"prompt {i} differs alone vs in a batch of 64"
-        )
+        assert alone.output_token_ids == batched[i].output_token_ids, f"prompt {i} differs alone vs in a batch of 64"
 
 
 def perplexity(llm: LLM, texts: list[list[int]]) -> float:
@@ -83,23 +79,17 @@ def test_int8_perplexity_within_3_percent(llm_fp32: LLM, smollm2_path) -> None:
     # VNNI, oneDNN's u8 x s8 GEMM with 7-bit weights on AVX2). float32 activations isolate what INT8
     # weights and the INT8 KV cache cost; bfloat16 adds its own rounding on top (measured separately by
     # the benchmark's agreement figure).
-    int8 = LLM(
-        str(smollm2_path), dtype="float32", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.5
-    )
+    int8 = LLM(str(smollm2_path), dtype="float32", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.5)
     ppl_int8 = perplexity(int8, texts)
 
     params = SamplingParams(max_tokens=32)
     ref = llm_fp32.generate(texts[:32], params)
     got = int8.generate(texts[:32], params)
     agree = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, got, strict=True))
-    prefix = sum(
-        _common_prefix(a.output_token_ids, b.output_token_ids) for a, b in zip(ref, got, strict=True)
-    )
-    print(
-        f"{int8.engine.plan.scheme.name}: perplexity fp32 {ppl_fp32:.3f} int8 {ppl_int8:.3f} "
-        f"({(ppl_int8 / ppl_fp32 - 1) * 100:+.2f}%); "
-        f"greedy agreement with fp32: {agree}/32 identical, {prefix / (32 * 32):.1%} of tokens before divergence"
-    )
+    prefix = sum(_common_prefix(a.output_token_ids, b.output_token_ids) for a, b in zip(ref, got, strict=True))
+    print(f"{int8.engine.plan.scheme.name}: perplexity fp32 {ppl_fp32:.3f} int8 {ppl_int8:.3f} "
+          f"({(ppl_int8 / ppl_fp32 - 1) * 100:+.2f}%); "
+          f"greedy agreement with fp32: {agree}/32 identical, {prefix / (32 * 32):.1%} of tokens before divergence")
     assert ppl_int8 <= ppl_fp32 * 1.03
 
 

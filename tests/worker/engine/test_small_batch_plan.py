@@ -14,9 +14,7 @@ from worker.engine.config import ModelConfig
 from worker.engine.quantization import make_linear
 from worker.engine.small_batch_plan import ROWS, choose_small_batch, measure_small_batch, rows_from
 
-pytestmark = pytest.mark.skipif(
-    not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel"
-)
+pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel")
 
 SMALL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,

@@ -210,12 +210,8 @@ def test_json_rows_never_take_a_control_character(tiny: LLM) -> None:
     decoder = tiny.engine.structured
     tok = tiny.tokenizer
     schema = {"type": "object", "properties": {"t": {"type": "string", "maxLength": 16}}, "required": ["t"]}
-    json_seq = Sequence(
-        0, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.json(schema)), None
-    )
-    regex_seq = Sequence(
-        1, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.regex(".+")), None
-    )
+    json_seq = Sequence(0, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.json(schema)), None)
+    regex_seq = Sequence(1, 0, [5, 6], SamplingParams(max_tokens=30, structured=StructuredOutput.regex(".+")), None)
     for seq in (json_seq, regex_seq):
         assert decoder.attach(seq) is None
     for token in tok.encode('{"t": "a', add_special_tokens=False):  # xgrammar's compact form: ": "

@@ -22,9 +22,7 @@ def spin(seconds: float) -> None:
 
 def test_a_busy_neighbour_is_seen() -> None:
     # one other process spinning on a core for the whole block
-    neighbour = subprocess.Popen(
-        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
-    )
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.3)
         with ContentionMeter() as meter:
@@ -42,9 +40,7 @@ def test_own_work_is_not_counted_as_others() -> None:
     assert meter.others_share < own_share  # whatever else runs, our own spinning is not in it
 
 
-def test_a_contended_measurement_is_not_cached(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
-) -> None:
+def test_a_contended_measurement_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     path = tmp_path / "plan.json"
     meter = ContentionMeter()
     meter.others_share = 0.5

@@ -10,8 +10,11 @@ run plus one token. KV slots of rejected draft tokens count as uncomputed and th
 
 How many tokens (adaptive k, per sequence): k starts at num_speculative_tokens, grows by 2 after a
 fully accepted draft and shrinks by 1 after a rejection. An exponential average of the accepted share
-of proposed tokens below ACCEPTANCE_FLOOR pauses the sequence's drafting for a backoff of steps that
-doubles with each pause (a retry with k = 1 after it), so a sequence that does not copy stops paying.
+of proposed tokens is the sequence's expected acceptance; below ACCEPTANCE_FLOOR it does not draft. A
+draft that is not fed (acceptance under the floor, or not paying) is kept as a shadow and scored against
+the tokens the sequence emits next, as verification would have scored it, at no cost: acceptance is
+learned from every lookup, so a sequence that starts copying (a summary that quotes, or falls into a
+loop) drafts again at once, and one that does not never pays.
 
 When (the on/off rule, per step): speculation pays only where extra rows are cheap. A decode step over
 a few sequences is bound by reading the weights once, however many rows it multiplies; a step of many
@@ -48,14 +51,12 @@ if TYPE_CHECKING:  # sequence.py holds a DraftState: these import this module
 PAY_MARGIN = 1.25  # a draft's marginal useful rows per second must beat the step's average by this
 MAX_NGRAM = 4  # longest suffix looked up; longer matches are rarer and 4 tokens already pin a phrase
 # shortest suffix looked up: on 16 long-document summaries (bfloat16 + W8A8) 1- and 2-token matches
-# proposed drafts the model took 4.9% and 4.2% of, which paused every sequence; from 3 tokens, 52-56%
+# proposed drafts the model took 4.9% and 4.2% of, which kept every sequence under the floor; from 3 tokens, 52-56%
 MIN_NGRAM = 3
 DEFAULT_MAX_ROWS = 16  # row bound where nothing was measured (float compute, CUDA)
 ACCEPTANCE_PRIOR = 0.6  # a new sequence's expected accepted share, until its drafts are verified
-ACCEPTANCE_FLOOR = 0.3  # below this average accepted share a sequence pauses drafting
-ACCEPTANCE_WEIGHT = 0.25  # weight of the newest verification in the average
-FIRST_BACKOFF_STEPS = 8
-MAX_BACKOFF_STEPS = 256
+ACCEPTANCE_FLOOR = 0.3  # below this average accepted share a sequence only shadows its drafts
+ACCEPTANCE_WEIGHT = 0.25  # weight of the newest verification (or shadow score) in the average
 TOKEN_BYTES = array("i").itemsize  # token ids are stored as native int32 in the search buffer
 
 
@@ -88,36 +89,46 @@ def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: in
 
 @dataclass
 class DraftState:
-    """One sequence's drafting: its tokens as a search buffer, and what its acceptance earned it."""
+    """One sequence's drafting: its tokens as a search buffer, what its acceptance earned it, and the draft
+    it did not feed (its shadow), waiting to be scored against the tokens that come."""
 
     k: int  # draft length to propose next
     max_k: int
     acceptance: float = ACCEPTANCE_PRIOR  # average accepted share of proposed tokens
-    paused_steps: int = 0  # decode steps left without drafting
-    backoff: int = FIRST_BACKOFF_STEPS  # length of the next pause
     history: bytearray = field(default_factory=bytearray)  # [num_tokens] int32
+    shadow: list[int] = field(default_factory=list)  # predicted tokens from position shadow_at on
+    shadow_at: int = 0
 
     def sync(self, seq: Sequence) -> None:
-        """Append the tokens the sequence gained since the last lookup (tokens never change)."""
+        """Append the tokens the sequence gained since the last lookup (tokens never change), and score
+        the shadow draft as far as they reach."""
         have = len(self.history) // TOKEN_BYTES
         if have < seq.num_tokens:
             self.history += array("i", seq.tokens(have, seq.num_tokens)).tobytes()
+            if self.shadow:
+                self._score_shadow(seq.num_tokens)
+
+    def keep_shadow(self, draft: list[int], at: int) -> None:
+        self.shadow, self.shadow_at = draft, at
+
+    def _score_shadow(self, num_tokens: int) -> None:
+        """Observe the shadow once its first disagreement, or its whole length, is known: the longest
+        agreeing run is what greedy verification would have accepted (and, for a sampled sequence, the
+        expected acceptance of the rejection rule, p(draft token) per token)."""
+        known = min(len(self.shadow), num_tokens - self.shadow_at)
+        came = array("i", self.history[self.shadow_at * TOKEN_BYTES : (self.shadow_at + known) * TOKEN_BYTES])
+        agreed = next(
+            (j for j, (a, b) in enumerate(zip(came, self.shadow[:known], strict=True)) if a != b), known
+        )
+        if agreed < known or known == len(self.shadow):
+            self.observe(len(self.shadow), agreed)
+            self.shadow = []
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """Adapt k and the pause to one verification of `proposed` draft tokens."""
+        """Adapt k and the expected acceptance to one verification (or shadow score) of `proposed` tokens."""
         w = ACCEPTANCE_WEIGHT
         self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
-        if accepted == proposed:
-            self.k = min(self.max_k, self.k + 2)
-            self.backoff = FIRST_BACKOFF_STEPS
-        else:
-            self.k = max(1, self.k - 1)
-        if self.acceptance < ACCEPTANCE_FLOOR:
-            self.paused_steps = self.backoff
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF_STEPS)
-            # one accepted retry lifts it back over the floor, one rejected pauses it again for longer
-            self.acceptance = ACCEPTANCE_FLOOR
-            self.k = 1
+        self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
 class Speculator:
@@ -142,27 +153,34 @@ class Speculator:
         self.min_ngram = MIN_NGRAM
 
     def propose(self, out: SchedulerOutput, max_num_batched_tokens: int) -> None:
-        """Give the step's decodes their drafts (out.drafts) where they pay, and allocate the draft slots."""
+        """Give the step's decodes their drafts (out.drafts) where they pay, and allocate the draft slots;
+        drafts that are not fed become shadows."""
         cap = max_num_batched_tokens if self.max_rows is None else min(self.max_rows, max_num_batched_tokens)
         rows = out.num_tokens
         useful = float(rows)  # every prefill token and decode row is work the job needs
+        if rows >= cap or not self._pays(rows, useful, 1, 1.0):
+            return  # not even a sure one-token draft would pay (a full batch): no lookups at all
         for seq in sorted(out.decodes, key=self._priority):
-            if rows >= cap:
-                break
             state = self._state(seq)
-            if state.paused_steps > 0:
-                state.paused_steps -= 1
-                continue
-            k = min(state.k, cap - rows, self._room(seq))
-            if k <= 0:
-                continue
             state.sync(seq)
+            k = min(state.k, self._room(seq))
+            if state.shadow or k <= 0:
+                continue  # one prediction at a time: a shadow is scored before the next lookup
             draft = lookup(state.history, k, min_ngram=self.min_ngram)
-            if draft and self._pays(rows, useful, len(draft), state.acceptance):
-                self.blocks.allocate(seq, seq.num_tokens + len(draft))
-                out.drafts[seq] = draft
-                rows += len(draft)
-                useful += state.acceptance * len(draft)
+            if not draft:
+                continue
+            fits = draft[: cap - rows]
+            if (
+                fits
+                and state.acceptance >= ACCEPTANCE_FLOOR
+                and self._pays(rows, useful, len(fits), state.acceptance)
+            ):
+                self.blocks.allocate(seq, seq.num_tokens + len(fits))
+                out.drafts[seq] = fits
+                rows += len(fits)
+                useful += state.acceptance * len(fits)
+            else:
+                state.keep_shadow(draft, seq.num_tokens)
 
     def _pays(self, rows: int, useful: float, k: int, acceptance: float) -> bool:
         """Whether k more draft rows raise the step's useful rows per second by PAY_MARGIN (module docstring)."""

@@ -17,11 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
+from worker.engine.outputs import RequestTimings
+from worker.engine.sequence import Sequence
 from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
     ACCEPTANCE_FLOOR,
     DEFAULT_MAX_ROWS,
-    FIRST_BACKOFF_STEPS,
     DraftState,
     Speculator,
     propose,
@@ -63,26 +64,51 @@ def test_a_byte_match_across_two_tokens_is_not_a_token_match() -> None:
     assert propose([t, 9, a, b, 7, t], k=2, min_ngram=1) == [9, a]
 
 
-def test_k_adapts_to_acceptance_and_a_poor_sequence_pauses() -> None:
+def test_k_adapts_to_acceptance() -> None:
     state = DraftState(k=4, max_k=6)
     state.observe(proposed=4, accepted=4)
     assert state.k == 6  # full acceptance: longer drafts
     state.observe(proposed=6, accepted=6)
     assert state.k == 6  # capped
     state.observe(proposed=6, accepted=2)
-    assert state.k == 5 and state.paused_steps == 0
-    for _ in range(20):  # nothing accepted any more: the average falls under the floor
-        if state.paused_steps:
-            break
+    assert state.k == 5
+    for _ in range(20):  # nothing accepted any more: the average falls under the floor, k to 1
         state.observe(proposed=state.k, accepted=0)
-    assert state.paused_steps == FIRST_BACKOFF_STEPS and state.k == 1
-    assert state.acceptance == ACCEPTANCE_FLOOR
-    state.paused_steps = 0
-    state.observe(proposed=1, accepted=0)  # the retry fails: a longer pause
-    assert state.paused_steps == 2 * FIRST_BACKOFF_STEPS
-    state.paused_steps = 0
-    state.observe(proposed=1, accepted=1)  # the retry succeeds: drafting resumes and grows
-    assert state.paused_steps == 0 and state.k == 3 and state.acceptance > ACCEPTANCE_FLOOR
+    assert state.k == 1 and state.acceptance < ACCEPTANCE_FLOOR
+
+
+def sequence(prompt: list[int]) -> Sequence:
+    return Sequence(
+        request_id=0, index=0, prompt_token_ids=prompt, params=SamplingParams(), timings=RequestTimings(0.0)
+    )
+
+
+def test_a_shadow_draft_is_scored_against_the_tokens_that_come() -> None:
+    # a sequence under the floor (it stopped drafting) falls into a loop: its shadows agree, and its
+    # acceptance climbs back over the floor without a draft being fed
+    seq = sequence([5, 6, 7, 8, 5, 6, 7])
+    state = DraftState(k=2, max_k=4, acceptance=0.1)
+    state.sync(seq)
+    state.keep_shadow([8, 5], at=seq.num_tokens)  # the lookup's prediction for positions 7 and 8
+    seq.output_token_ids.append(8)
+    state.sync(seq)
+    assert state.shadow == [8, 5] and state.acceptance == 0.1  # half known, agreeing so far: not scored yet
+    seq.output_token_ids.append(5)
+    state.sync(seq)
+    assert state.shadow == [] and state.k == 4  # scored whole: 2 of 2, k grows
+    assert state.acceptance == pytest.approx(0.75 * 0.1 + 0.25)
+    for _ in range(3):
+        state.keep_shadow([6, 7, 8, 5], at=seq.num_tokens)
+        seq.output_token_ids.extend([6, 7, 8, 5])
+        state.sync(seq)
+    assert state.acceptance > ACCEPTANCE_FLOOR and state.k == 4
+    # a disagreement scores the shadow as soon as it is known: its agreeing run, as verification would
+    state.keep_shadow([6, 7, 9, 9], at=seq.num_tokens)
+    before = state.acceptance
+    seq.output_token_ids.extend([6, 7, 8])
+    state.sync(seq)
+    assert state.shadow == [] and state.k == 3
+    assert state.acceptance == pytest.approx(0.75 * before + 0.25 * 2 / 4)
 
 
 # acceptance rule

@@ -37,6 +37,9 @@ class EngineConfig:
     enable_speculation: bool = True
     num_speculative_tokens: int = 4
     speculation_max_rows: int | Literal["auto"] = "auto"
+    # float projections in fixed blocks of this many rows, so a row's tokens do not depend on its batch
+    # (quantization.FloatLinear); "auto": 16 for unquantized float32 on CPU, the exact mode, else 0
+    batch_invariant_rows: int | Literal["auto"] = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models
@@ -50,6 +53,10 @@ class EngineConfig:
             raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
         if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
             raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
+        if self.batch_invariant_rows != "auto" and not (
+            isinstance(self.batch_invariant_rows, int) and self.batch_invariant_rows >= 0
+        ):
+            raise ValueError(f"batch_invariant_rows must be 'auto' or an int >= 0, got {self.batch_invariant_rows!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculation_max_rows != "auto" and not (

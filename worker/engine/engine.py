@@ -28,6 +28,9 @@ from worker.engine.verify import SampleGroup, next_tokens
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
+# unquantized float32 on CPU: float products in blocks of this many rows, so greedy tokens do not depend on
+# the batch (quantization.FloatLinear); 16 rows cost a decode step little and keep prefill blocks in cache
+EXACT_FLOAT32_ROWS = 16
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -59,7 +62,7 @@ class LLMEngine:
         self.model = LlamaModel(
             self.model_config, tensors, self.dtype, scheme.quantization, self.device,
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
-            small_batch_rows=self._small_batch_rows(),
+            small_batch_rows=self._small_batch_rows(), invariant_rows=self._invariant_rows(scheme.quantization),
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()
@@ -87,6 +90,12 @@ class LLMEngine:
         if self.config.small_batch_rows != "auto":
             return self.config.small_batch_rows
         return self.plan.small_batch.rows if self.plan.small_batch else 0
+
+    def _invariant_rows(self, quantization: str | None) -> int:
+        if self.config.batch_invariant_rows != "auto":
+            return self.config.batch_invariant_rows
+        exact = self.dtype == torch.float32 and quantization is None and self.device.type == "cpu"
+        return EXACT_FLOAT32_ROWS if exact else 0
 
     def _speculator(self) -> Speculator:
         """Drafts priced by the small-batch measurement where there is one ("auto"), else bounded by rows."""

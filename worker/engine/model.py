@@ -39,13 +39,16 @@ class LlamaModel:
         max_positions: int,
         int8_backend: Int8Backend | None = None,
         small_batch_rows: int = 0,  # INT8 products of at most this many rows take the small-batch kernel
+        invariant_rows: int = 0,  # float products in fixed blocks of this many rows (quantization.FloatLinear)
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
-            return make_linear(weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows)
+            return make_linear(
+                weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows, invariant_rows
+            )
 
         def get(name: str) -> torch.Tensor:
             if name not in tensors:

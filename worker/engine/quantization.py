@@ -21,23 +21,47 @@ Int8Backend = Literal["int_mm", "onednn", "triton"]
 
 
 class FloatLinear:
+    """A float projection. With invariant_rows = B > 0 the product runs in blocks of exactly B rows (the last
+    one padded), so a row's result does not depend on how many rows share the step: CPU GEMM libraries
+    round a row differently at different row counts (MKL's sgemm: row 0 of X[:M] @ W.T differs bitwise
+    between M = 2 and M = 4), which lets any change of batch composition (a draft's rows, other requests)
+    flip a greedy near-tie. A fixed-size product rounds a row the same wherever it sits in the block and
+    whatever the other rows hold (checked for every projection shape of SmolLM2)."""
+
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype | None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        out_dtype: torch.dtype | None,
+        invariant_rows: int = 0,
     ) -> None:
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype  # None: dtype
+        self.invariant_rows = invariant_rows
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        block = self.invariant_rows
+        if not block:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        padded = -(-rows // block) * block
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(block)])
+        return out[:rows]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given."""
-        y = F.linear(x, self.weight, self.bias)
+        y = self._product(x)
         if self.out_dtype is not None:
             y = y.to(self.out_dtype)
         return y if residual is None else residual + y  # transformers' order, for exact float32 parity
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """A gated MLP's fused gate/up projection: [tokens, in] -> silu(gate) * up [tokens, out / 2]."""
-        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        gate, up = self._product(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -138,11 +162,13 @@ def make_linear(
     out_dtype: torch.dtype | None = None,
     int8_backend: Int8Backend | None = None,
     small_batch_rows: int = 0,
+    invariant_rows: int = 0,
 ) -> Linear:
     """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch.
-    small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU)."""
+    small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
+    invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product."""
     if quantization == "int8":
         if int8_backend == "onednn" and weight.device.type == "cpu":
             return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
         return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
-    return FloatLinear(weight, bias, dtype, out_dtype)
+    return FloatLinear(weight, bias, dtype, out_dtype, invariant_rows)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from worker.engine import LLM, SamplingParams
+from worker.engine.quantization import FloatLinear
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,29 @@ def test_seeded_sampling_is_batch_invariant(tiny: LLM) -> None:
     assert alone == in_batch
     other_seed = tiny.generate([target], SamplingParams(max_tokens=12, temperature=0.8, seed=99, ignore_eos=True))
     assert other_seed[0].output_token_ids != alone
+
+
+def test_float32_greedy_is_batch_invariant_to_the_bit(tiny: LLM) -> None:
+    # unquantized float32 runs its products in fixed 16-row blocks (quantization.FloatLinear): a prompt's
+    # logprobs, not only its tokens, are the same alone and among nine others (a GEMM library's row-count
+    # dependent rounding shows up here first)
+    assert tiny.engine.model.layers[0].qkv.invariant_rows == 16
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+    target = prompts(1, seed=11)[0]
+    alone = tiny.generate([target], params)[0]
+    in_batch = tiny.generate(prompts(9, seed=12) + [target], params)[-1]
+    assert (in_batch.output_token_ids, in_batch.logprobs) == (alone.output_token_ids, alone.logprobs)
+
+
+def test_fixed_block_products_round_a_row_alike_at_any_batch_size() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(960, 576, generator=generator)
+    x = torch.randn(40, 576, generator=generator)
+    blocked = FloatLinear(weight, None, torch.float32, None, invariant_rows=16)
+    rows = [blocked(x[i : i + 1]) for i in range(40)]
+    for count in (2, 3, 16, 17, 40):
+        together = blocked(x[:count])
+        assert all(torch.equal(together[i], rows[i][0]) for i in range(count)), count
 
 
 def test_top_k_one_equals_greedy(tiny: LLM) -> None:

@@ -43,14 +43,13 @@ class FloatLinear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         block = self.invariant_rows
-        if not block:
+        if not block or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
-        padded = -(-rows // block) * block
-        if padded != rows:
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        out = torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(block)])
-        return out[:rows]
+        parts = list(x.split(block))
+        short = block - parts[-1].shape[0]
+        if short:  # only the last block is padded (with zero rows, whose results are dropped)
+            parts[-1] = torch.cat([parts[-1], x.new_zeros(short, x.shape[1])])
+        return torch.cat([F.linear(part, self.weight, self.bias) for part in parts])[: x.shape[0]]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given."""

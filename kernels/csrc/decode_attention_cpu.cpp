@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "balanced_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -496,7 +498,9 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
 #if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
   const SequenceFn<CacheT, ScaleT> fast = pick_task<CacheT, ScaleT>(group, head_dim);
   if (fast) {
-    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    // a sequence costs its context plus a fixed part (queries, softmax, output) worth a few dozen slots
+    const auto cost = [&](int64_t seq) { return context_lens[seq] + 32; };
+    freight::parallel_for_balanced(num_seqs, cost, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
       for (int64_t seq = begin; seq < end; ++seq) {
         const int64_t offset = seq * num_heads * head_dim;
@@ -507,7 +511,8 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
     return;
   }
 #endif
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t task) { return context_lens[task / kv_heads] + 32; };
+  freight::parallel_for_balanced(num_seqs * kv_heads, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, row_buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / kv_heads, kvh = task % kv_heads;

@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "balanced_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -41,6 +43,16 @@ struct Chunks {
   const int32_t* kv_len;
   int64_t num;
 };
+
+// Keys attended by task `task` of the loops below (sequence s, kv head, R rows starting at row `first` of
+// its position-major rows): R rows at about position prefix + (first + R / 2) / G each, plus a fixed part.
+inline int64_t task_cost(int64_t task, const std::vector<int64_t>& task_start, const Chunks& chunks, int64_t G,
+                         int64_t R) {
+  const int64_t s = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+  const int64_t rows_total = chunks.q_len[s] * G, blocks = (rows_total + R - 1) / R;
+  const int64_t first = ((task - task_start[s]) % blocks) * R;
+  return R * (chunks.kv_len[s] - chunks.q_len[s] + (first + R / 2) / G + 16);
+}
 
 #ifdef FREIGHT_PREFILL_BF16
 constexpr int64_t kTile = 32;  // keys per tile
@@ -171,7 +183,8 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
     task_start[s + 1] = task_start[s] + KVH * ((rows + R - 1) / R);
   }
   const float scale_log2 = scale * 1.4426950408889634f;
-  at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R); };
+  freight::parallel_for_balanced(task_start[num_seqs], cost, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[s + 1]) ++s;
@@ -365,7 +378,8 @@ void prefill_f32(const float* q, const float* k, const float* v, const Chunks& c
   for (int64_t s = 0; s < num_seqs; ++s)
     task_start[s + 1] = task_start[s] + KVH * ((chunks.q_len[s] * G + R - 1) / R);
   const float scale_log2 = scale * 1.4426950408889634f;
-  at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R); };
+  freight::parallel_for_balanced(task_start[num_seqs], cost, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[s + 1]) ++s;

@@ -71,3 +71,22 @@ def test_many_sequences_of_mixed_length_land_in_their_rows():
     lens = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     args = decode_args(lens, 9, 3, 64, torch.int8, torch.bfloat16, torch.float16, block_size=16, seed=4)
     assert_close(paged_decode_attention_cpu(*args), paged_decode_attention_reference(*args))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "lens",
+    [sorted(torch.randint(1, 300, (29,), generator=torch.Generator().manual_seed(5)).tolist()), [700] + [1] * 12, [3]],
+    ids=["sorted", "one-long-first", "one"],
+)
+def test_sequences_split_by_work_across_threads(threads, lens):
+    """Threads take ranges of near-equal context (balanced_parallel.h): a length-sorted batch, one long
+    sequence before many short ones (a range may be empty), a single sequence."""
+    args = decode_args(lens, 9, 3, 64, torch.int8, torch.float32, torch.float16, block_size=16, seed=6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention_cpu(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out, paged_decode_attention_reference(*args))

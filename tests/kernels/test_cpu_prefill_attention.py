@@ -161,3 +161,27 @@ def test_public_function_runs_every_chunk_in_one_call(dtype, cache_dtype, monkey
                 ).to(dtype)
     want = causal_reference(q, k_seen, v_seen, starts, contexts, 0.125)
     torch.testing.assert_close(got.double(), want[rows], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_blocks_split_by_work_across_threads(dtype, threads):
+    """Row blocks of later positions attend to more keys; threads take ranges of near-equal keys
+    (balanced_parallel.h), over chunks sorted by length behind cached prefixes of different lengths."""
+    contexts = [9, 30, 64, 120, 260]
+    q_lens = [9, 12, 1, 100, 130]
+    q, k, v, kv_starts = random_step(contexts, 9, 3, 64, seed=23, dtype=dtype)
+    want = causal_reference(q, k, v, kv_starts, contexts, 0.125)
+    rows = torch.cat(
+        [torch.arange(s + n - m, s + n) for s, n, m in zip(kv_starts, contexts, q_lens, strict=True)]
+    )
+    chunk_q = q[rows].contiguous()
+    q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    out = torch.full_like(chunk_q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill_attention_cpu(chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))

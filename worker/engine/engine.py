@@ -24,10 +24,15 @@ from worker.engine.step_cost import StepCost
 from worker.engine.step_inputs import StepInputs, build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker
 from worker.engine.structured import StructuredDecoder
-from worker.engine.verify import SampleGroup, next_tokens
+from worker.engine.verify import SampleGroup, next_tokens, sample_chunks
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
+# Logits rows a step samples at once. 128 rows of a 49,152-token vocabulary are 25 MB of float32, under
+# glibc's largest mmap threshold (32 MiB), so the heap hands the same memory back step after step; the
+# whole step's 256 rows (50 MB) were a fresh mapping every time, whose page faults cost ~10 ms a step on
+# the 2-core VMs (as long as the LM head product itself on the AMX one).
+SAMPLE_CHUNK_ROWS = 128
 # unquantized float32 on CPU: float products in blocks of this many rows, so greedy tokens do not depend on
 # the batch (quantization.FloatLinear); measured cost: about 16% of float32 throughput (README, "Engine")
 EXACT_FLOAT32_ROWS = 16
@@ -232,21 +237,16 @@ class LLMEngine:
         """Emit each sampling sequence's tokens (verify.py); return the finished sequences and the rows
         of draft tokens that were computed in vain."""
         seqs, drafts = inputs.sample_seqs, inputs.sample_drafts
-        if not seqs:
-            return [], 0
-        logits = self.model.logits(hidden[inputs.sample_rows])  # [num_rows, vocab] float32
-        apply_min_tokens(logits, [
-            self.finisher.banned_tokens(s, len(s.output_token_ids) + j)
-            for s, d in zip(seqs, drafts, strict=True) for j in range(1 + len(d))
-        ])  # fmt: skip
-        if any(s.params.structured is not None for s in seqs):  # unconstrained steps do no mask work
-            self.structured.apply_masks(logits, seqs, drafts)
-        groups = [SampleGroup(s.params, s.generator, d) for s, d in zip(seqs, drafts, strict=True)]
-        chosen = next_tokens(logits, groups, self._fallback_generator)
-        firsts = [0]  # first logits row of each sequence
-        for d in drafts:
-            firsts.append(firsts[-1] + 1 + len(d))
-        logprobs = self._logprobs(logits, seqs, chosen, firsts)
+        chosen: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        first_row = 0
+        for begin, end in sample_chunks(drafts, SAMPLE_CHUNK_ROWS):
+            num_rows = sum(1 + len(d) for d in drafts[begin:end])
+            rows = inputs.sample_rows[first_row : first_row + num_rows]
+            first_row += num_rows
+            tokens, values = self._choose(hidden[rows], seqs[begin:end], drafts[begin:end])
+            chosen += tokens
+            logprobs += values
         finished, rejected_rows = [], 0
         now = time.monotonic()
         for seq, draft, tokens, values in zip(seqs, drafts, chosen, logprobs, strict=True):
@@ -259,6 +259,25 @@ class LLMEngine:
                 computed = self.speculator.settle(seq, start, len(draft), len(tokens) - 1)
                 rejected_rows += 1 + len(draft) - computed
         return finished, rejected_rows
+
+    def _choose(
+        self, hidden: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The tokens (and their logprobs, where asked) that consecutive sequences emit from their rows of
+        `hidden` [sum(1 + len(draft)), hidden_size]."""
+        logits = self.model.logits(hidden)  # [rows, vocab] float32
+        apply_min_tokens(logits, [
+            self.finisher.banned_tokens(s, len(s.output_token_ids) + j)
+            for s, d in zip(seqs, drafts, strict=True) for j in range(1 + len(d))
+        ])  # fmt: skip
+        if any(s.params.structured is not None for s in seqs):  # unconstrained steps do no mask work
+            self.structured.apply_masks(logits, seqs, drafts)
+        groups = [SampleGroup(s.params, s.generator, d) for s, d in zip(seqs, drafts, strict=True)]
+        chosen = next_tokens(logits, groups, self._fallback_generator)
+        firsts = [0]  # first logits row of each sequence
+        for d in drafts:
+            firsts.append(firsts[-1] + 1 + len(d))
+        return chosen, self._logprobs(logits, seqs, chosen, firsts)
 
     def _logprobs(
         self, logits: torch.Tensor, seqs: list[Sequence], chosen: list[list[int]], firsts: list[int]

@@ -17,11 +17,12 @@ tokens alone or in any batch, with speculation on or off, whatever the step chos
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from worker.engine.sampler import filtered_probs, race, sample
+from worker.engine.sampler import filtered_probs, greedy_picks, race, sample
 from worker.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,19 @@ class SampleGroup:
     draft: list[int]  # [k] tokens proposed after the sequence's last token; empty without speculation
 
 
+def sample_chunks(drafts: list[list[int]], max_rows: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges [begin, end) of the sampling sequences, each range's rows (1 + len(draft) per
+    sequence) within max_rows: a sequence's rows are never split (one past max_rows is a range alone)."""
+    begin, rows = 0, 0
+    for i, draft in enumerate(drafts):
+        if rows and rows + 1 + len(draft) > max_rows:
+            yield begin, i
+            begin, rows = i, 0
+        rows += 1 + len(draft)
+    if rows:
+        yield begin, len(drafts)
+
+
 def next_tokens(
     logits: torch.Tensor,  # [sum(1 + len(draft)), vocab] float32, the groups' rows in order, bans applied
     groups: list[SampleGroup],
@@ -44,12 +58,24 @@ def next_tokens(
         return [
             [t] for t in sample(logits, [g.params for g in groups], [g.generator for g in groups], fallback)
         ]
+    picks = greedy_picks(logits) if any(g.params.greedy for g in groups) else []
     out, row = [], 0
     for g in groups:
-        rows = logits[row : row + 1 + len(g.draft)]
-        out.append(verify_draft(rows, g.draft, g.params, g.generator or fallback))
-        row += 1 + len(g.draft)
+        end = row + 1 + len(g.draft)
+        if g.params.greedy:
+            out.append(accept_greedy(g.draft, picks[row:end]))
+        else:
+            out.append(verify_draft(logits[row:end], g.draft, g.params, g.generator or fallback))
+        row = end
     return out
+
+
+def accept_greedy(draft: list[int], picks: list[int]) -> list[int]:
+    """The draft's prefix that agrees with the model's picks [1 + k], plus the model's next pick."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == picks[accepted]:
+        accepted += 1
+    return [*draft[:accepted], picks[accepted]]
 
 
 def verify_draft(
@@ -60,11 +86,7 @@ def verify_draft(
 ) -> list[int]:
     """The accepted prefix of `draft` plus one token (see the module docstring)."""
     if params.greedy:
-        picks = logits.argmax(dim=-1).tolist()  # [1 + k]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == picks[accepted]:
-            accepted += 1
-        return [*draft[:accepted], picks[accepted]]
+        return accept_greedy(draft, greedy_picks(logits))
     emitted = []
     for j in range(len(draft) + 1):
         # the race winner is draft[j] with probability p_j(draft[j]); any other winner is the residual draw

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
 from worker.engine.outputs import RequestTimings
+from worker.engine.sampler import greedy_picks
 from worker.engine.sequence import Sequence
 from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
@@ -28,7 +29,7 @@ from worker.engine.speculation import (
     propose,
 )
 from worker.engine.step_cost import StepCost
-from worker.engine.verify import verify_draft
+from worker.engine.verify import sample_chunks, verify_draft
 
 T = TypeVar("T")
 BS = 4  # block size: short sequences cross many blocks, so drafts straddle block boundaries
@@ -156,6 +157,22 @@ def test_greedy_verification_keeps_the_agreeing_run_plus_one() -> None:
     assert verify_draft(logits, [5, 6, 7], greedy, gen) == [5, 6, 7, 8]  # all accepted, plus the bonus
     assert verify_draft(logits, [5, 9, 7], greedy, gen) == [5, 6]  # the model's own token at the mismatch
     assert verify_draft(logits[:1], [], greedy, gen) == [5]
+
+
+def test_greedy_picks_are_argmax_first_maximum_and_nan_included() -> None:
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1, 300] = 50.0  # a tie: the first index
+    logits[2, 42] = float("nan")  # NaN counts as the maximum, as in argmax
+    assert greedy_picks(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_picks(logits)[1] == 7
+
+
+def test_sample_chunks_keep_each_sequence_whole_and_in_order() -> None:
+    drafts = [[], [1, 2, 3], [], [4] * 9, [], []]  # rows 1, 4, 1, 10, 1, 1
+    # 1 + 4 rows would pass 4, and the 10-row sequence is a range of its own
+    assert list(sample_chunks(drafts, max_rows=4)) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+    assert list(sample_chunks(drafts, max_rows=128)) == [(0, 6)]
+    assert list(sample_chunks([], max_rows=4)) == []
 
 
 # engine end to end
@@ -409,3 +426,27 @@ def test_auto_prices_rows_from_the_small_batch_measurement() -> None:
     assert spec._pays(rows=1 + 4096, useful=4097, k=4, acceptance=0.84) is False  # compute-bound prefill
     assert spec._pays(rows=256, useful=256, k=4, acceptance=0.84) is False  # a full batch drafts nothing
     assert spec._pays(rows=256, useful=256, k=4, acceptance=1.0) is False
+
+
+def test_sampling_a_step_in_chunks_of_rows_emits_what_one_chunk_does(echo_on: LLM, monkeypatch) -> None:
+    """A step's logits are made and sampled a few sequences at a time (engine.SAMPLE_CHUNK_ROWS): greedy
+    with logprobs, seeded sampling, min_tokens bans and drafts come out the same in chunks of 3 rows as in one."""
+    import worker.engine.engine as engine_module
+
+    batch = self_quoting(echo_on, seed=6, count=6) + repetitive(seed=6, count=4)
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=24, min_tokens=10, stop_token_ids=[batch[2][0]]),
+    ] * 4
+    params = params[: len(batch)]
+    whole, proposed, _ = drafted(echo_on, lambda: echo_on.generate(batch, params))
+    assert proposed > 0, "drafts were meant to be verified in the chunks"
+    monkeypatch.setattr(engine_module, "SAMPLE_CHUNK_ROWS", 3)
+    chunked = echo_on.generate(batch, params)
+    assert [(o.output_token_ids, o.finish_reason) for o in chunked] == [
+        (o.output_token_ids, o.finish_reason) for o in whole
+    ]
+    for c, w in zip(chunked, whole, strict=True):
+        assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert_released(echo_on)

@@ -13,6 +13,7 @@ head_dim 64) in about 13 ms, 110 GFLOP/s; SDPA per sequence takes about 30 ms.
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from kernels._cpu_build import build_extension
 
 HEAD_DIMS = (64, 128)
+AMX_ENV = "FREIGHT_CPU_AMX"
 
 
 @functools.cache
@@ -42,6 +44,20 @@ def available(dtype: torch.dtype) -> bool:
     return False
 
 
+@functools.cache
+def amx_enabled() -> bool:
+    """Whether bfloat16 head_dim-64 prefill runs on AMX tiles: the CPU and OS allow it, unless
+    FREIGHT_CPU_AMX=0, or ONEDNN_MAX_CPU_ISA caps oneDNN below AMX (so that a capped run, e.g. the
+    AVX-512-without-AMX tier emulated on an AMX machine, keeps every path below AMX alike)."""
+    extension = load_extension()
+    if extension is None or not extension.available_amx():
+        return False
+    if os.environ.get(AMX_ENV, "1") == "0":
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return cap in ("ALL", "DEFAULT") or "AMX" in cap
+
+
 def supports(query: torch.Tensor, key: torch.Tensor | None) -> bool:
     return (
         key is not None
@@ -61,6 +77,7 @@ def prefill_attention_cpu(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim] in query dtype: those chunks' rows are written
     kv_starts: list[int] | None = None,  # first key row of each chunk's context (default: q_starts)
     kv_lens: list[int] | None = None,  # its context length >= q_len; its queries are the last q_len positions
+    amx: bool | None = None,  # bfloat16 head_dim 64 on AMX tiles; None: where amx_enabled()
 ) -> None:
     """Causal attention of each chunk's queries over its context. Without kv_starts/kv_lens each chunk is
     its whole context (keys and values row-aligned with the queries); with them, a chunk's context may hold
@@ -71,7 +88,15 @@ def prefill_attention_cpu(
         raise ValueError("give both kv_starts and kv_lens, or neither")
     extension = load_extension()
     f32 = query.dtype == torch.float32
-    attend = extension.prefill_attention_f32 if f32 else extension.prefill_attention_bf16
+    if f32:
+        attend = extension.prefill_attention_f32
+    else:
+        use_amx = amx_enabled() if amx is None else amx
+        if use_amx and not extension.available_amx():
+            raise RuntimeError("AMX is not usable on this CPU")
+
+        def attend(*args) -> None:
+            extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64)
 
     def int32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32)

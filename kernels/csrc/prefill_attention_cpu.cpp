@@ -12,6 +12,8 @@
 //   values [tile][16 key pairs][d][2]  -> O[row, d]       accumulates over key pairs (prob pair broadcast)
 // Float32 accumulation throughout; probabilities are rounded to bf16 for the P.V product, as bf16 SDPA does.
 // The float32 kernel repacks only the keys (see its section).
+// On CPUs with AMX (Sapphire Rapids and later), head_dim 64 runs the same packed layouts through AMX tiles
+// (tdpbf16ps: a 16 x 32 by 32 x 16 bf16 product per instruction, 8x vdpbf16ps's work); see its section.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,6 +23,11 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_math.h"
@@ -156,9 +163,14 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
   }
 }
 
+// One task's rows: R query rows of one (sequence, kv head) against its packed keys and values.
+using AttendRows = void (*)(const uint16_t* const*, const int64_t*, int, const uint32_t*, const uint32_t*, float,
+                            uint16_t* const*);
+
 template <int D, int R>
 void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chunks& chunks, int64_t H, int64_t KVH,
-             float scale, uint16_t* out) {
+             float scale, uint16_t* out, AttendRows attend, void (*begin_range)() = nullptr,
+             void (*end_range)() = nullptr) {
   const int64_t G = H / KVH, num_seqs = chunks.num;
   // packed buffers: each (sequence, kv head) gets its context rounded up to whole tiles
   std::vector<int64_t> packed_offset(num_seqs + 1, 0);
@@ -185,6 +197,7 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
   const float scale_log2 = scale * 1.4426950408889634f;
   const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R); };
   freight::parallel_for_balanced(task_start[num_seqs], cost, [&](int64_t begin, int64_t end) {
+    if (begin_range) begin_range();
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[s + 1]) ++s;
@@ -204,10 +217,151 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
       }
       const int64_t padded = (len + kTile - 1) / kTile * kTile;
       const int64_t offset = packed_offset[s] + h * padded * (D / 2);
-      attend_rows<D, R>(q_rows, pos, rows, kp.data() + offset, vp.data() + offset, scale_log2, out_rows);
+      attend(q_rows, pos, rows, kp.data() + offset, vp.data() + offset, scale_log2, out_rows);
     }
+    if (end_range) end_range();
   });
 }
+
+// ---------------------------------------------------------------------------------------------------
+// AMX (bfloat16, head_dim 64): tasks of 16 query rows. All eight tiles are 16 rows x 64 bytes. Scores of a
+// 32-key tile: S (tmm0: keys 0-15, tmm1: keys 16-31) = Q (tmm2, one half of d at a time) x K (tmm3: the
+// packed keys read in place, 16 d-pairs x 16 keys). O (tmm4-7: d 0-15, ..., 48-63) stays in tiles for the
+// whole task, which AMX cannot rescale, so the softmax takes two passes over the scores: the row maxima
+// first, then exp2(s - max) rounded to bf16 (tmm0) times the values (tmm1: 16 key pairs x 16 d, read in
+// place) accumulates into O. The second QK^T costs four tile products per key tile, far less than the
+// rescaling it saves.
+#if defined(__GNUC__) && __GNUC__ >= 11 && defined(__x86_64__)
+#define FREIGHT_PREFILL_AMX 1
+#define FREIGHT_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+constexpr int kRowsAmx = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes. A constant in memory: GCC 12 drops stores into a local config before
+// _tile_loadconfig as dead (it does not see the instruction read them), leaving tiles of zero size.
+constexpr TileConfig kTileConfig{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+FREIGHT_AMX_TARGET void amx_begin() { _tile_loadconfig(&kTileConfig); }
+
+FREIGHT_AMX_TARGET void amx_end() { _tile_release(); }
+
+// s[16][32] = q[16][64] . keys of tile `tile` (unscaled), through tmm0-3.
+FREIGHT_AMX_TARGET inline void amx_scores(const uint16_t (*q)[64], const uint32_t* kt, float (*s)[kTile]) {
+  constexpr int64_t k_stride = kTile * sizeof(uint32_t);  // one d-pair row of the packed keys
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, &q[0][0], 64 * sizeof(uint16_t));
+  _tile_loadd(3, kt, k_stride);
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_loadd(3, kt + 16, k_stride);
+  _tile_dpbf16ps(1, 2, 3);
+  _tile_loadd(2, &q[0][32], 64 * sizeof(uint16_t));
+  _tile_loadd(3, kt + 16 * kTile, k_stride);
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_loadd(3, kt + 16 * kTile + 16, k_stride);
+  _tile_dpbf16ps(1, 2, 3);
+  _tile_stored(0, &s[0][0], kTile * sizeof(float));
+  _tile_stored(1, &s[0][16], kTile * sizeof(float));
+}
+
+// The masks of a 32-key tile starting at key0 for a row at position pos (causal; also hides padding).
+inline void tile_masks(int64_t pos, int64_t key0, __mmask16& m0, __mmask16& m1) {
+  const int64_t visible = std::min<int64_t>(kTile, std::max<int64_t>(0, pos - key0 + 1));
+  m0 = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
+  m1 = visible >= 32 ? __mmask16(0xFFFF) : (visible <= 16 ? __mmask16(0) : __mmask16((1u << (visible - 16)) - 1));
+}
+
+FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int64_t* pos, int rows,
+                                        const uint32_t* kp, const uint32_t* vp, float scale_log2,
+                                        uint16_t* const* out_rows) {
+  constexpr int D = 64, R = kRowsAmx;
+  alignas(64) uint16_t q[R][D];
+  alignas(64) float s[R][kTile];
+  alignas(64) uint16_t probs[R][kTile];
+  alignas(64) float o[R][D];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    if (r < rows) std::memcpy(q[r], q_rows[r], D * sizeof(uint16_t));
+    else std::memset(q[r], 0, sizeof(q[r]));
+    m[r] = -1e30f;
+    l[r] = 0.f;
+  }
+  int64_t last = 0;
+  for (int r = 0; r < rows; ++r) last = std::max(last, pos[r]);
+  const int64_t tiles = last / kTile + 1;
+  const __m512 scale = _mm512_set1_ps(scale_log2), hidden = _mm512_set1_ps(-1e30f);
+  for (int64_t tile = 0; tile < tiles; ++tile) {  // pass 1: row maxima of the scaled, visible scores
+    amx_scores(q, kp + tile * (D / 2) * kTile, s);
+    for (int r = 0; r < rows; ++r) {
+      __mmask16 m0, m1;
+      tile_masks(pos[r], tile * kTile, m0, m1);
+      const __m512 x0 = _mm512_mask_mul_ps(hidden, m0, _mm512_load_ps(s[r]), scale);
+      const __m512 x1 = _mm512_mask_mul_ps(hidden, m1, _mm512_load_ps(s[r] + 16), scale);
+      m[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+    }
+  }
+  std::memset(probs, 0, sizeof(probs));  // padding rows stay zero
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t tile = 0; tile < tiles; ++tile) {  // pass 2: probabilities times values
+    amx_scores(q, kp + tile * (D / 2) * kTile, s);
+    for (int r = 0; r < rows; ++r) {
+      __mmask16 m0, m1;
+      tile_masks(pos[r], tile * kTile, m0, m1);
+      const __m512 mv = _mm512_set1_ps(m[r]);
+      const __m512 x0 = _mm512_mask_mul_ps(hidden, m0, _mm512_load_ps(s[r]), scale);
+      const __m512 x1 = _mm512_mask_mul_ps(hidden, m1, _mm512_load_ps(s[r] + 16), scale);
+      const __m512 p0 = _mm512_maskz_mov_ps(m0, freight::exp2_16(_mm512_sub_ps(x0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(m1, freight::exp2_16(_mm512_sub_ps(x1, mv)));
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r] + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+    }
+    const uint32_t* vt = vp + tile * (kTile / 2) * D;
+    constexpr int64_t v_stride = D * sizeof(uint32_t);  // one key-pair row of the packed values
+    _tile_loadd(0, &probs[0][0], kTile * sizeof(uint16_t));
+    _tile_loadd(1, vt, v_stride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, vt + 16, v_stride);
+    _tile_dpbf16ps(5, 0, 1);
+    _tile_loadd(1, vt + 32, v_stride);
+    _tile_dpbf16ps(6, 0, 1);
+    _tile_loadd(1, vt + 48, v_stride);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+  _tile_stored(4, &o[0][0], D * sizeof(float));
+  _tile_stored(5, &o[0][16], D * sizeof(float));
+  _tile_stored(6, &o[0][32], D * sizeof(float));
+  _tile_stored(7, &o[0][48], D * sizeof(float));
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int c = 0; c < D / 16; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r] + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[r] + c * 16), inv)));
+  }
+}
+
+// Whether this CPU has AMX-BF16 and the kernel lets this process use its tile registers (Linux asks each
+// process to request them once; oneDNN makes the same request).
+bool amx_usable() {
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -415,6 +569,16 @@ bool available_bf16() {
 #endif
 }
 
+// The AMX path: this build has it, the CPU has AMX-BF16, and the OS let the process use the tiles (asked once).
+bool available_amx() {
+#if defined(FREIGHT_PREFILL_BF16) && defined(FREIGHT_PREFILL_AMX)
+  static const bool usable = amx_usable();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 bool available_f32() {
 #ifdef FREIGHT_PREFILL_F32
   return true;
@@ -442,9 +606,10 @@ Chunks chunks_of(const torch::Tensor& q_start, const torch::Tensor& q_len, const
 
 // query [T, H, D], key/value [TK, KVH, D], out [T, H, D]: bfloat16, contiguous; the chunks as in Chunks. Rows
 // of out outside every chunk are left as they are.
+// amx: run head_dim 64 through AMX tiles (available_amx() must hold).
 void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
                             torch::Tensor q_len, torch::Tensor kv_start, torch::Tensor kv_len, double scale,
-                            torch::Tensor out) {
+                            torch::Tensor out, bool amx) {
 #ifdef FREIGHT_PREFILL_BF16
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -457,10 +622,17 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
   const auto* k = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
   const auto* v = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (D == 64) {
-    prefill<64, 4>(q, k, v, chunks, H, KVH, float(scale), o);
+  if (D == 64 && amx) {
+#ifdef FREIGHT_PREFILL_AMX
+    TORCH_CHECK(available_amx(), "AMX is not usable here");
+    prefill<64, kRowsAmx>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows_amx, amx_begin, amx_end);
+#else
+    TORCH_CHECK(false, "built without AMX support");
+#endif
+  } else if (D == 64) {
+    prefill<64, 4>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows<64, 4>);
   } else if (D == 128) {
-    prefill<128, 2>(q, k, v, chunks, H, KVH, float(scale), o);
+    prefill<128, 2>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows<128, 2>);
   } else {
     TORCH_CHECK(false, "head_dim must be 64 or 128");
   }
@@ -500,6 +672,7 @@ void prefill_attention_f32(torch::Tensor query, torch::Tensor key, torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_bf16", &available_bf16);
   m.def("available_f32", &available_f32);
+  m.def("available_amx", &available_amx);
   m.def("prefill_attention_bf16", &prefill_attention_bf16);
   m.def("prefill_attention_f32", &prefill_attention_f32);
 }

@@ -17,6 +17,9 @@ needs_bf16 = pytest.mark.skipif(
     not cpu_prefill_attention.available(torch.bfloat16), reason="needs AVX-512 BF16"
 )
 needs_f32 = pytest.mark.skipif(not cpu_prefill_attention.available(torch.float32), reason="needs AVX2 + FMA")
+needs_amx = pytest.mark.skipif(not cpu_prefill_attention.amx_enabled(), reason="needs AMX-BF16")
+# bfloat16 head_dim 64 runs on AMX tiles where the CPU has them, else on AVX-512 BF16: both are tested there
+PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="amx", marks=needs_amx)]
 DTYPES = [
     pytest.param(torch.bfloat16, id="bf16", marks=needs_bf16),
     pytest.param(torch.float32, id="f32", marks=needs_f32),
@@ -55,20 +58,24 @@ def random_step(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
-def test_matches_reference(dtype, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("amx", PATHS)
+def test_matches_reference(dtype, head_dim, heads, kv_heads, amx):
+    skip_amx_unless_bf16(dtype, amx)
     q, k, v, starts = random_step(LENGTHS, heads, kv_heads, head_dim, seed=head_dim + heads, dtype=dtype)
     out = torch.full_like(q, float("nan"))
-    prefill_attention_cpu(q, k, v, starts, LENGTHS, head_dim**-0.5, out)
+    prefill_attention_cpu(q, k, v, starts, LENGTHS, head_dim**-0.5, out, amx=amx)
     want = causal_reference(q, k, v, starts, LENGTHS, head_dim**-0.5)
     torch.testing.assert_close(out.double(), want, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_writes_only_the_sequences_it_is_given(dtype):
+@pytest.mark.parametrize("amx", PATHS)
+def test_writes_only_the_sequences_it_is_given(dtype, amx):
+    skip_amx_unless_bf16(dtype, amx)
     q, k, v, starts = random_step(LENGTHS, 6, 2, 64, seed=3, dtype=dtype)
     out = torch.full_like(q, 7.0)
     chosen = [1, 4, 8]  # the last sequence too: its keys end at the tensor's end
-    prefill_attention_cpu(q, k, v, [starts[i] for i in chosen], [LENGTHS[i] for i in chosen], 0.125, out)
+    prefill_attention_cpu(q, k, v, [starts[i] for i in chosen], [LENGTHS[i] for i in chosen], 0.125, out, amx=amx)
     want = causal_reference(q, k, v, starts, LENGTHS, 0.125)
     for i, (start, n) in enumerate(zip(starts, LENGTHS, strict=True)):
         rows = out[start : start + n]
@@ -76,6 +83,21 @@ def test_writes_only_the_sequences_it_is_given(dtype):
             torch.testing.assert_close(rows.double(), want[start : start + n], **tolerance(dtype))
         else:
             assert rows.eq(7.0).all()
+
+
+@needs_amx
+def test_amx_large_scores_stay_finite():
+    """A sharp softmax on AMX tiles: the first pass's row maxima keep every exponent at or below 0."""
+    q, k, v, starts = random_step(LENGTHS, 9, 3, 64, seed=12, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    prefill_attention_cpu(q * 8, k * 8, v, starts, LENGTHS, 0.125, out, amx=True)
+    torch.testing.assert_close(out.double(), causal_reference(q * 8, k * 8, v, starts, LENGTHS, 0.125),
+                               **tolerance(torch.bfloat16))  # fmt: skip
+
+
+def skip_amx_unless_bf16(dtype: torch.dtype, amx: bool) -> None:
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("AMX runs bfloat16 queries only")
 
 
 @needs_f32
@@ -90,8 +112,10 @@ def test_float32_large_scores_stay_finite():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
-def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads):
+@pytest.mark.parametrize("amx", PATHS)
+def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads, amx):
     """kv_starts/kv_lens: each chunk's queries are the last q_len positions of a longer context."""
+    skip_amx_unless_bf16(dtype, amx)
     contexts = [40, 17, 33, 200, 5]
     q_lens = [16, 17, 1, 75, 4]  # a whole context, a single query, chunks across tile edges
     q, k, v, kv_starts = random_step(contexts, heads, kv_heads, 64, seed=21, dtype=dtype)
@@ -103,7 +127,9 @@ def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads):
     chunk_q = q[rows].contiguous()
     q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
     out = torch.full_like(chunk_q, float("nan"))
-    prefill_attention_cpu(chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts)
+    prefill_attention_cpu(
+        chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts, amx=amx
+    )
     torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))
 
 
@@ -165,9 +191,12 @@ def test_public_function_runs_every_chunk_in_one_call(dtype, cache_dtype, monkey
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_row_blocks_split_by_work_across_threads(dtype, threads):
+@pytest.mark.parametrize("amx", PATHS)
+def test_row_blocks_split_by_work_across_threads(dtype, threads, amx):
     """Row blocks of later positions attend to more keys; threads take ranges of near-equal keys
-    (balanced_parallel.h), over chunks sorted by length behind cached prefixes of different lengths."""
+    (balanced_parallel.h), over chunks sorted by length behind cached prefixes of different lengths; on AMX
+    each thread configures its own tiles."""
+    skip_amx_unless_bf16(dtype, amx)
     contexts = [9, 30, 64, 120, 260]
     q_lens = [9, 12, 1, 100, 130]
     q, k, v, kv_starts = random_step(contexts, 9, 3, 64, seed=23, dtype=dtype)
@@ -181,7 +210,9 @@ def test_row_blocks_split_by_work_across_threads(dtype, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        prefill_attention_cpu(chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts)
+        prefill_attention_cpu(
+            chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts, amx=amx
+        )
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))

@@ -109,7 +109,9 @@ class ExecutionPlan:
         # the same test the dispatch makes (kernels/prefill_attention.py), on a one-token stand-in
         query = torch.empty(1, 1, self.head_dim, dtype=DTYPES[self.scheme.dtype])
         if self._compiled("prefill") and cpu_prefill_attention.supports(query, query):
-            return f"compiled flash attention ({self.tier}, {self.scheme.dtype}), cached prefixes included"
+            amx = self.scheme.dtype == "bfloat16" and self.head_dim == 64 and cpu_prefill_attention.amx_enabled()
+            unit = "AMX tiles" if amx else self.tier
+            return f"compiled flash attention ({unit}, {self.scheme.dtype}), cached prefixes included"
         return "torch SDPA per sequence"
 
     def _compiled(self, op: str) -> bool:

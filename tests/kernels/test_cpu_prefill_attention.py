@@ -18,8 +18,13 @@ needs_bf16 = pytest.mark.skipif(
 )
 needs_f32 = pytest.mark.skipif(not cpu_prefill_attention.available(torch.float32), reason="needs AVX2 + FMA")
 needs_amx = pytest.mark.skipif(not cpu_prefill_attention.amx_enabled(), reason="needs AMX-BF16")
-# bfloat16 head_dim 64 runs on AMX tiles where the CPU has them, else on AVX-512 BF16: both are tested there
-PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="amx", marks=needs_amx)]
+# (query dtype, AMX): bfloat16 head_dim 64 runs on AMX tiles where the CPU has them, else on AVX-512 BF16;
+# both are tested there
+KERNELS = [
+    pytest.param(torch.bfloat16, False, id="bf16", marks=needs_bf16),
+    pytest.param(torch.bfloat16, True, id="bf16-amx", marks=[needs_bf16, needs_amx]),
+    pytest.param(torch.float32, False, id="f32", marks=needs_f32),
+]
 DTYPES = [
     pytest.param(torch.bfloat16, id="bf16", marks=needs_bf16),
     pytest.param(torch.float32, id="f32", marks=needs_f32),
@@ -55,12 +60,10 @@ def random_step(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed:
     return q, k, v, starts
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
-@pytest.mark.parametrize("amx", PATHS)
 def test_matches_reference(dtype, head_dim, heads, kv_heads, amx):
-    skip_amx_unless_bf16(dtype, amx)
     q, k, v, starts = random_step(LENGTHS, heads, kv_heads, head_dim, seed=head_dim + heads, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     prefill_attention_cpu(q, k, v, starts, LENGTHS, head_dim**-0.5, out, amx=amx)
@@ -68,10 +71,8 @@ def test_matches_reference(dtype, head_dim, heads, kv_heads, amx):
     torch.testing.assert_close(out.double(), want, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("amx", PATHS)
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 def test_writes_only_the_sequences_it_is_given(dtype, amx):
-    skip_amx_unless_bf16(dtype, amx)
     q, k, v, starts = random_step(LENGTHS, 6, 2, 64, seed=3, dtype=dtype)
     out = torch.full_like(q, 7.0)
     chosen = [1, 4, 8]  # the last sequence too: its keys end at the tensor's end
@@ -95,11 +96,6 @@ def test_amx_large_scores_stay_finite():
                                **tolerance(torch.bfloat16))  # fmt: skip
 
 
-def skip_amx_unless_bf16(dtype: torch.dtype, amx: bool) -> None:
-    if amx and dtype != torch.bfloat16:
-        pytest.skip("AMX runs bfloat16 queries only")
-
-
 @needs_f32
 def test_float32_large_scores_stay_finite():
     """Scores in the hundreds (a sharp softmax): the online rescaling must not overflow or lose the peak."""
@@ -110,12 +106,10 @@ def test_float32_large_scores_stay_finite():
                                **tolerance(torch.float32))  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
-@pytest.mark.parametrize("amx", PATHS)
 def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads, amx):
     """kv_starts/kv_lens: each chunk's queries are the last q_len positions of a longer context."""
-    skip_amx_unless_bf16(dtype, amx)
     contexts = [40, 17, 33, 200, 5]
     q_lens = [16, 17, 1, 75, 4]  # a whole context, a single query, chunks across tile edges
     q, k, v, kv_starts = random_step(contexts, heads, kv_heads, 64, seed=21, dtype=dtype)
@@ -189,14 +183,12 @@ def test_public_function_runs_every_chunk_in_one_call(dtype, cache_dtype, monkey
     torch.testing.assert_close(got.double(), want[rows], **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("amx", PATHS)
 def test_row_blocks_split_by_work_across_threads(dtype, threads, amx):
     """Row blocks of later positions attend to more keys; threads take ranges of near-equal keys
     (balanced_parallel.h), over chunks sorted by length behind cached prefixes of different lengths; on AMX
     each thread configures its own tiles."""
-    skip_amx_unless_bf16(dtype, amx)
     contexts = [9, 30, 64, 120, 260]
     q_lens = [9, 12, 1, 100, 130]
     q, k, v, kv_starts = random_step(contexts, 9, 3, 64, seed=23, dtype=dtype)

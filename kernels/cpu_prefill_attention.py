@@ -13,15 +13,14 @@ head_dim 64) in about 13 ms, 110 GFLOP/s; SDPA per sequence takes about 30 ms.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
 from kernels._cpu_build import build_extension
+from kernels.platform import amx_allowed
 
 HEAD_DIMS = (64, 128)
-AMX_ENV = "FREIGHT_CPU_AMX"
 
 
 @functools.cache
@@ -46,16 +45,10 @@ def available(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def amx_enabled() -> bool:
-    """Whether bfloat16 head_dim-64 prefill runs on AMX tiles: the CPU and OS allow it, unless
-    FREIGHT_CPU_AMX=0, or ONEDNN_MAX_CPU_ISA caps oneDNN below AMX (so that a capped run, e.g. the
-    AVX-512-without-AMX tier emulated on an AMX machine, keeps every path below AMX alike)."""
+    """Whether bfloat16 head_dim-64 prefill runs on AMX tiles: the CPU and OS allow it and
+    platform.amx_allowed()."""
     extension = load_extension()
-    if extension is None or not extension.available_amx():
-        return False
-    if os.environ.get(AMX_ENV, "1") == "0":
-        return False
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    return cap in ("ALL", "DEFAULT") or "AMX" in cap
+    return extension is not None and extension.available_amx() and amx_allowed()
 
 
 def supports(query: torch.Tensor, key: torch.Tensor | None) -> bool:

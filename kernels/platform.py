@@ -182,3 +182,16 @@ def tier_line() -> str:
     forced = f" (forced; native {info.native_tier})" if tier != info.native_tier else ""
     return (f"CPU tier {tier}{forced}: {info.model_name}, {info.cores} cores, {' '.join(info.extensions) or '-'}; "
             f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
+
+
+AMX_ENV = "FREIGHT_CPU_AMX"
+
+
+def amx_allowed() -> bool:
+    """Whether Freight's kernels may use AMX tiles where the CPU has them: unless FREIGHT_CPU_AMX=0, or
+    ONEDNN_MAX_CPU_ISA caps oneDNN below AMX (a capped run, e.g. the AVX-512-without-AMX tier emulated on an
+    AMX machine, keeps every path below AMX alike)."""
+    if os.environ.get(AMX_ENV, "1") == "0":
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return cap in ("ALL", "DEFAULT") or "AMX" in cap

@@ -46,3 +46,22 @@ def test_forcing_avx2_limits_torch_onednn_and_mkl() -> None:
     env = force_tier_environment("avx2")
     assert env == {"FREIGHT_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("env", "allowed"),
+    [
+        ({}, True),
+        ({"FREIGHT_CPU_AMX": "0"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),  # the AVX-512 tier without AMX, emulated
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),  # what FREIGHT_CPU_ISA=avx2 sets
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    ],
+)
+def test_amx_is_allowed_unless_turned_off_or_capped(monkeypatch: pytest.MonkeyPatch, env, allowed) -> None:
+    monkeypatch.delenv("FREIGHT_CPU_AMX", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert platform.amx_allowed() is allowed

@@ -38,7 +38,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculation_max_rows: int | Literal["auto"] = "auto"
     # float projections in fixed blocks of this many rows, so a row's tokens do not depend on its batch
-    # (quantization.FloatLinear); "auto": 16 for unquantized float32 on CPU, the exact mode, else 0
+    # (quantization.FloatLinear); "auto": for unquantized float32 on CPU (the exact mode) the largest block at
+    # which this machine's GEMM rounds a row alike at every position (invariance.py; 16 where checked), else 0
     batch_invariant_rows: int | Literal["auto"] = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default

@@ -9,6 +9,7 @@ import torch
 from worker.engine.attention import KVCache
 from worker.engine.block_manager import BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
+from worker.engine.invariance import invariant_block_rows
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import LlamaModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
@@ -33,9 +34,6 @@ LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once 
 # whole step's 256 rows (50 MB) were a fresh mapping every time, whose page faults cost ~10 ms a step on
 # the 2-core VMs (as long as the LM head product itself on the AMX one).
 SAMPLE_CHUNK_ROWS = 128
-# unquantized float32 on CPU: float products in blocks of this many rows, so greedy tokens do not depend on
-# the batch (quantization.FloatLinear); measured cost: about 16% of float32 throughput (README, "Engine")
-EXACT_FLOAT32_ROWS = 16
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -100,7 +98,7 @@ class LLMEngine:
         if self.config.batch_invariant_rows != "auto":
             return self.config.batch_invariant_rows
         exact = self.dtype == torch.float32 and quantization is None and self.device.type == "cpu"
-        return EXACT_FLOAT32_ROWS if exact else 0
+        return invariant_block_rows(self.model_config, self.dtype) if exact else 0
 
     def _speculator(self) -> Speculator:
         """Drafts priced by the small-batch measurement where there is one ("auto"), else bounded by rows."""

@@ -26,7 +26,8 @@ class FloatLinear:
     round a row differently at different row counts (MKL's sgemm: row 0 of X[:M] @ W.T differs bitwise
     between M = 2 and M = 4), which lets any change of batch composition (a draft's rows, other requests)
     flip a greedy near-tie. A fixed-size product rounds a row the same wherever it sits in the block and
-    whatever the other rows hold (checked for every projection shape of SmolLM2)."""
+    whatever the other rows hold, at a block size the engine checks at load on the model's shapes
+    (invariance.py: 16 with MKL's AVX-512 sgemm; smaller where a kernel splits a block unevenly)."""
 
     def __init__(
         self,

@@ -1,0 +1,58 @@
+"""The row-block size at which this machine's float GEMM rounds a row alike wherever it sits in the block.
+
+FloatLinear's exact mode (float32 without quantization) runs products in fixed blocks of B rows, so that a
+row's result does not depend on how many rows share the step. That needs the GEMM library to round row i of
+a B-row product the same for every position i and whatever the other rows hold. MKL's AVX-512 sgemm does at
+B = 16 on SmolLM2's shapes (AMD EPYC, 2 threads); its AVX2 kernel on an Intel Xeon (2 threads) does not: at
+K = 128, N = 64 rows 6, 7, 14 and 15 of 16 came out differently (each thread's 8 rows run as 6 + 2). So the
+size is checked at load on the model's own projection shapes with random operands, largest candidate first;
+one row at a time always holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.config import ModelConfig
+
+CANDIDATE_ROWS = (16, 12, 8, 6, 4, 2)  # tried in this order; 1 (row by row) is the fallback
+
+
+def projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every float product a layer and the LM head run."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return [
+        (model.hidden_size, q + 2 * kv),  # qkv
+        (q, model.hidden_size),  # o_proj
+        (model.hidden_size, 2 * model.intermediate_size),  # gate_up
+        (model.intermediate_size, model.hidden_size),  # down
+        (model.hidden_size, model.vocab_size),  # LM head
+    ]
+
+
+def rounds_alike_at_every_position(
+    in_features: int, out_features: int, rows: int, dtype: torch.dtype
+) -> bool:
+    """Whether row 0 of a `rows`-row product equals the same row placed at every other position among
+    different rows."""
+    generator = torch.Generator().manual_seed(rows * 7919 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    want = F.linear(x, weight)[0]
+    for position in range(1, rows):
+        others = torch.randn(rows, in_features, generator=generator).to(dtype)
+        others[position] = x[0]
+        if not torch.equal(F.linear(others, weight)[position], want):
+            return False
+    return True
+
+
+def invariant_block_rows(model: ModelConfig, dtype: torch.dtype) -> int:
+    """The largest candidate block at which every projection shape of `model` rounds alike (else 1), at the
+    current torch thread count."""
+    shapes = projection_shapes(model)
+    for rows in CANDIDATE_ROWS:
+        if all(rounds_alike_at_every_position(k, n, rows, dtype) for k, n in shapes):
+            return rows
+    return 1

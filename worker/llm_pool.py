@@ -51,6 +51,7 @@ class LLMPool:
             dtype=key.dtype,
             quantization=key.quantization,
             kv_cache_dtype=key.kv_cache_dtype,
+            int8_backend=settings.int8_backend,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,

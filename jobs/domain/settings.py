@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from platformdirs import user_cache_dir
 from pydantic import Field, field_validator
@@ -31,6 +32,9 @@ class Settings(BaseSettings):
     quantization: str | None = "auto"
     kv_cache_dtype: str = "int8"
     dtype: str = "auto"
+    # CPU INT8 GEMM; "auto": measured. Where two backends measure alike (the AMX machine: within 3%) the pick,
+    # and with it the exact tokens, can differ between machines or fresh calibrations: pin it to rule that out
+    int8_backend: Literal["auto", "int_mm", "onednn"] = "auto"
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096

@@ -82,21 +82,11 @@ def prefill_attention_cpu(
     if (kv_starts is None) != (kv_lens is None):
         raise ValueError("give both kv_starts and kv_lens, or neither")
     extension = load_extension()
-    f32 = query.dtype == torch.float32
-    if f32:
-        attend = extension.prefill_attention_f32
-    else:
-        use_amx = amx_enabled() if amx is None else amx
-        if use_amx and not extension.available_amx():
-            raise RuntimeError("AMX is not usable on this CPU")
-
-        def attend(*args) -> None:
-            extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64)
 
     def int32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32)
 
-    attend(
+    args = (
         query.contiguous(),
         key.to(query.dtype).contiguous(),
         value.to(query.dtype).contiguous(),
@@ -107,3 +97,10 @@ def prefill_attention_cpu(
         scale,
         out,
     )
+    if query.dtype == torch.float32:
+        extension.prefill_attention_f32(*args)
+        return
+    use_amx = amx_enabled() if amx is None else amx
+    if use_amx and not extension.available_amx():
+        raise RuntimeError("AMX is not usable on this CPU")
+    extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64)

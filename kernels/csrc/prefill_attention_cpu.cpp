@@ -88,6 +88,13 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t len, 
   }
 }
 
+// The masks of a 32-key tile starting at key0 for a row at position pos (causal; also hides padding).
+inline void tile_masks(int64_t pos, int64_t key0, __mmask16& m0, __mmask16& m1) {
+  const int64_t visible = std::min<int64_t>(kTile, std::max<int64_t>(0, pos - key0 + 1));
+  m0 = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
+  m1 = visible >= 32 ? __mmask16(0xFFFF) : (visible <= 16 ? __mmask16(0) : __mmask16((1u << (visible - 16)) - 1));
+}
+
 // R query rows (row r of the block: position pos[r], pointer q_rows[r]) against keys [0, max pos].
 template <int D, int R>
 void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, const uint32_t* kp,
@@ -122,11 +129,8 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
     }
     const int64_t key0 = tile * kTile;
     for (int r = 0; r < R; ++r) {
-      // keys past this row's position are masked (causal); that also masks the padding past the sequence
-      const int64_t visible = std::min<int64_t>(kTile, std::max<int64_t>(0, pos[r] - key0 + 1));
-      const __mmask16 m0 = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
-      const __mmask16 m1 = visible >= 32 ? __mmask16(0xFFFF)
-                                         : (visible <= 16 ? __mmask16(0) : __mmask16((1u << (visible - 16)) - 1));
+      __mmask16 m0, m1;
+      tile_masks(pos[r], key0, m0, m1);
       const __m512 scale = _mm512_set1_ps(scale_log2);
       const __m512 x0 = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), m0, s[r][0], scale);
       const __m512 x1 = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), m1, s[r][1], scale);
@@ -269,13 +273,6 @@ FREIGHT_AMX_TARGET inline void amx_scores(const uint16_t (*q)[64], const uint32_
   _tile_dpbf16ps(1, 2, 3);
   _tile_stored(0, &s[0][0], kTile * sizeof(float));
   _tile_stored(1, &s[0][16], kTile * sizeof(float));
-}
-
-// The masks of a 32-key tile starting at key0 for a row at position pos (causal; also hides padding).
-inline void tile_masks(int64_t pos, int64_t key0, __mmask16& m0, __mmask16& m1) {
-  const int64_t visible = std::min<int64_t>(kTile, std::max<int64_t>(0, pos - key0 + 1));
-  m0 = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
-  m1 = visible >= 32 ? __mmask16(0xFFFF) : (visible <= 16 ? __mmask16(0) : __mmask16((1u << (visible - 16)) - 1));
 }
 
 FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int64_t* pos, int rows,

@@ -76,7 +76,9 @@ def test_writes_only_the_sequences_it_is_given(dtype, amx):
     q, k, v, starts = random_step(LENGTHS, 6, 2, 64, seed=3, dtype=dtype)
     out = torch.full_like(q, 7.0)
     chosen = [1, 4, 8]  # the last sequence too: its keys end at the tensor's end
-    prefill_attention_cpu(q, k, v, [starts[i] for i in chosen], [LENGTHS[i] for i in chosen], 0.125, out, amx=amx)
+    prefill_attention_cpu(
+        q, k, v, [starts[i] for i in chosen], [LENGTHS[i] for i in chosen], 0.125, out, amx=amx
+    )
     want = causal_reference(q, k, v, starts, LENGTHS, 0.125)
     for i, (start, n) in enumerate(zip(starts, LENGTHS, strict=True)):
         rows = out[start : start + n]
@@ -110,11 +112,24 @@ def test_float32_large_scores_stay_finite():
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])
 def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads, amx):
     """kv_starts/kv_lens: each chunk's queries are the last q_len positions of a longer context."""
-    contexts = [40, 17, 33, 200, 5]
-    q_lens = [16, 17, 1, 75, 4]  # a whole context, a single query, chunks across tile edges
-    q, k, v, kv_starts = random_step(contexts, heads, kv_heads, 64, seed=21, dtype=dtype)
+    # a whole context, a single query, chunks across tile edges
+    out, want = attend_chunks([40, 17, 33, 200, 5], [16, 17, 1, 75, 4], heads, kv_heads, 21, dtype, amx)
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+def attend_chunks(
+    contexts: list[int],
+    q_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    dtype: torch.dtype,
+    amx: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks whose queries are the last q_len positions of their contexts, packed on their own (keys and
+    values stay whole contexts): the kernel's output and the float64 reference for those rows."""
+    q, k, v, kv_starts = random_step(contexts, heads, kv_heads, 64, seed=seed, dtype=dtype)
     want = causal_reference(q, k, v, kv_starts, contexts, 0.125)
-    # the queries of each chunk, packed on their own; keys and values stay whole contexts
     rows = torch.cat(
         [torch.arange(s + n - m, s + n) for s, n, m in zip(kv_starts, contexts, q_lens, strict=True)]
     )
@@ -124,7 +139,7 @@ def test_chunks_after_a_prefix_match_reference(dtype, heads, kv_heads, amx):
     prefill_attention_cpu(
         chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts, amx=amx
     )
-    torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))
+    return out.double(), want[rows]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,22 +204,10 @@ def test_row_blocks_split_by_work_across_threads(dtype, threads, amx):
     """Row blocks of later positions attend to more keys; threads take ranges of near-equal keys
     (balanced_parallel.h), over chunks sorted by length behind cached prefixes of different lengths; on AMX
     each thread configures its own tiles."""
-    contexts = [9, 30, 64, 120, 260]
-    q_lens = [9, 12, 1, 100, 130]
-    q, k, v, kv_starts = random_step(contexts, 9, 3, 64, seed=23, dtype=dtype)
-    want = causal_reference(q, k, v, kv_starts, contexts, 0.125)
-    rows = torch.cat(
-        [torch.arange(s + n - m, s + n) for s, n, m in zip(kv_starts, contexts, q_lens, strict=True)]
-    )
-    chunk_q = q[rows].contiguous()
-    q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
-    out = torch.full_like(chunk_q, float("nan"))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        prefill_attention_cpu(
-            chunk_q, k, v, q_starts, q_lens, 0.125, out, kv_starts=kv_starts, kv_lens=contexts, amx=amx
-        )
+        out, want = attend_chunks([9, 30, 64, 120, 260], [9, 12, 1, 100, 130], 9, 3, 23, dtype, amx)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(out.double(), want[rows], **tolerance(dtype))
+    torch.testing.assert_close(out, want, **tolerance(dtype))

@@ -237,12 +237,8 @@ class LLMEngine:
         seqs, drafts = inputs.sample_seqs, inputs.sample_drafts
         chosen: list[list[int]] = []
         logprobs: list[list[float]] = []
-        first_row = 0
-        for begin, end in sample_chunks(drafts, SAMPLE_CHUNK_ROWS):
-            num_rows = sum(1 + len(d) for d in drafts[begin:end])
-            rows = inputs.sample_rows[first_row : first_row + num_rows]
-            first_row += num_rows
-            tokens, values = self._choose(hidden[rows], seqs[begin:end], drafts[begin:end])
+        for some, rows in sample_chunks(drafts, SAMPLE_CHUNK_ROWS):
+            tokens, values = self._choose(hidden[inputs.sample_rows[rows]], seqs[some], drafts[some])
             chosen += tokens
             logprobs += values
         finished, rejected_rows = [], 0

@@ -35,17 +35,17 @@ class SampleGroup:
     draft: list[int]  # [k] tokens proposed after the sequence's last token; empty without speculation
 
 
-def sample_chunks(drafts: list[list[int]], max_rows: int) -> Iterator[tuple[int, int]]:
-    """Consecutive ranges [begin, end) of the sampling sequences, each range's rows (1 + len(draft) per
-    sequence) within max_rows: a sequence's rows are never split (one past max_rows is a range alone)."""
-    begin, rows = 0, 0
+def sample_chunks(drafts: list[list[int]], max_rows: int) -> Iterator[tuple[slice, slice]]:
+    """Consecutive ranges of the sampling sequences and of their logits rows (1 + len(draft) per sequence),
+    each within max_rows: a sequence's rows are never split (one past max_rows is a range alone)."""
+    begin, first_row, rows = 0, 0, 0
     for i, draft in enumerate(drafts):
         if rows and rows + 1 + len(draft) > max_rows:
-            yield begin, i
-            begin, rows = i, 0
+            yield slice(begin, i), slice(first_row, first_row + rows)
+            begin, first_row, rows = i, first_row + rows, 0
         rows += 1 + len(draft)
     if rows:
-        yield begin, len(drafts)
+        yield slice(begin, len(drafts)), slice(first_row, first_row + rows)
 
 
 def next_tokens(

@@ -169,9 +169,12 @@ def test_greedy_picks_are_argmax_first_maximum_and_nan_included() -> None:
 
 def test_sample_chunks_keep_each_sequence_whole_and_in_order() -> None:
     drafts = [[], [1, 2, 3], [], [4] * 9, [], []]  # rows 1, 4, 1, 10, 1, 1
+    def spans(max_rows: int) -> list[tuple[int, int, int, int]]:
+        return [(s.start, s.stop, r.start, r.stop) for s, r in sample_chunks(drafts, max_rows)]
+
     # 1 + 4 rows would pass 4, and the 10-row sequence is a range of its own
-    assert list(sample_chunks(drafts, max_rows=4)) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
-    assert list(sample_chunks(drafts, max_rows=128)) == [(0, 6)]
+    assert spans(4) == [(0, 1, 0, 1), (1, 2, 1, 5), (2, 3, 5, 6), (3, 4, 6, 16), (4, 6, 16, 18)]
+    assert spans(128) == [(0, 6, 0, 18)]
     assert list(sample_chunks([], max_rows=4)) == []
 
 

@@ -9,13 +9,21 @@
 //
 // Exact on AVX2 without VNNI through the sign trick: vpmaddubsw multiplies |x| (u8, <= 127) by sign(x) * w
 // (s8, |.| <= 127), so each int16 pair sum is at most 2 * 127 * 127 = 32258 and never saturates, with
-// full-range weight codes as well as the 7-bit codes of the oneDNN backend. With AVX-512 VNNI the same
-// operands go through vpdpbusd, which adds in int32 directly.
+// full-range weight codes as well as the 7-bit codes of the oneDNN backend.
+//
+// With AVX-512 VNNI (the avx512 tier) a tile of 4 weight rows x 4 activation rows is kept in 16 zmm
+// accumulators and fed 64 bytes per vpdpbusd, which multiplies u8 by s8: the weights enter shifted to
+// unsigned (w + 128, one xor per weight load, shared by the tile's activation rows) and 128 * sum(x) is
+// taken off each sum at the end, exact in int32 (|sum| < 1536 * 255 * 128 < 2^31 at K = 1536). That is one
+// instruction per 64 multiply-adds against ~3.5 per 32 for the sign trick above, whose per-pair sign
+// flips depend on both operands: at 16 rows the old loop ran 4x the instructions the weights' bytes need,
+// and a decode step of a small batch was bound by them, not by memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -78,6 +86,102 @@ void tile4(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t K,
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define FREIGHT_INT8_VNNI512 1
+constexpr int kActivationRowsPerTile = 4;
+constexpr int64_t kPrefetchTiles = 4;  // how many weight tiles ahead of use a tile is prefetched
+
+// The lane sums of four accumulators, as [sum(a), sum(b), sum(c), sum(d)].
+inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then [a, b, c, d] partials
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// out[m0 + r, n .. n + 3] for r < MX: 4 weight rows (shifted to u8) against MX activation rows, 64 bytes
+// a step; the last partial step loads under a mask (zero bytes add nothing).
+// One 64-byte step of a tile: acc[r][j] += (w_j + 128) . x_r over the step's bytes (masked: zero bytes).
+template <int MX>
+__attribute__((always_inline)) inline void step_vnni(__m512i (&acc)[MX][4], const int8_t* wr, const int8_t* xr,
+                                                     int64_t K, int64_t k, __mmask64 live) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i wv[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, wr + j * K + k), flip);
+#pragma GCC unroll 4
+  for (int r = 0; r < MX; ++r) {
+    const __m512i xv = _mm512_maskz_loadu_epi8(live, xr + r * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], xv);
+  }
+}
+
+// out[m0 + r, n .. n + 3] for r < MX: 4 weight rows (shifted to u8) against MX activation rows, 64 bytes
+// a step; the last partial step loads under a mask.
+template <int MX>
+void tile_vnni(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t* out, int64_t K, int64_t N,
+               int64_t n, int64_t m0) {
+  const int8_t* wr = w + n * K;
+  const int8_t* xr = x + m0 * K;
+  __m512i acc[MX][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < MX; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  const int64_t k_full = K - K % 64;
+  for (int64_t k = 0; k < k_full; k += 64) step_vnni<MX>(acc, wr, xr, K, k, ~__mmask64(0));
+  if (k_full < K) step_vnni<MX>(acc, wr, xr, K, k_full, (__mmask64(1) << (K - k_full)) - 1);
+#pragma GCC unroll 4
+  for (int r = 0; r < MX; ++r) {
+    const __m128i sums = _mm_sub_epi32(reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                       _mm_set1_epi32(128 * x_sums[m0 + r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m0 + r) * N + n), sums);
+  }
+}
+
+// sum_k x[m, k] for every row: the shift's correction.
+std::vector<int32_t> row_sums(const int8_t* x, int64_t M, int64_t K) {
+  std::vector<int32_t> sums(M);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+      const __mmask64 live = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(live, x + m * K + k));
+    }
+    sums[m] = _mm512_reduce_add_epi32(acc);
+  }
+  return sums;
+}
+
+void product_rows_vnni(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t* out, int64_t M, int64_t K,
+                       int64_t N, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kRowsPerTile <= n_end; n += kRowsPerTile) {
+    // the weights stream from memory once: ask for a later tile's rows while this one computes
+    const int64_t ahead = n + kPrefetchTiles * kRowsPerTile;
+    if (ahead + kRowsPerTile <= n_end) {
+      const char* p = reinterpret_cast<const char*>(w + ahead * K);
+      for (int64_t offset = 0; offset < kRowsPerTile * K; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+    }
+    int64_t m = 0;
+    for (; m + kActivationRowsPerTile <= M; m += kActivationRowsPerTile) tile_vnni<4>(x, w, x_sums, out, K, N, n, m);
+    switch (M - m) {
+      case 3: tile_vnni<3>(x, w, x_sums, out, K, N, n, m); break;
+      case 2: tile_vnni<2>(x, w, x_sums, out, K, N, n, m); break;
+      case 1: tile_vnni<1>(x, w, x_sums, out, K, N, n, m); break;
+      default: break;
+    }
+  }
+  for (; n < n_end; ++n) {
+    for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot_generic(x + m * K, w + n * K, 0, K);
+  }
+}
+#endif
+
 void product_rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t K, int64_t N, int64_t n_begin,
                   int64_t n_end) {
   int64_t n = n_begin;
@@ -105,9 +209,16 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out) {
   const int8_t* x = x_q.const_data_ptr<int8_t>();
   const int8_t* w = w_q.const_data_ptr<int8_t>();
   int32_t* o = out.data_ptr<int32_t>();
+#if defined(FREIGHT_INT8_VNNI512)
+  const std::vector<int32_t> x_sums = row_sums(x, M, K);
+  at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
+    product_rows_vnni(x, w, x_sums.data(), o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
+  });
+#else
   at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
     product_rows(x, w, o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
   });
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("product", &product); }

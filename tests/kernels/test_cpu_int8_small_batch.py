@@ -29,8 +29,11 @@ def codes(*shape: int, seed: int, qmax: int = 127) -> torch.Tensor:
     return torch.randint(-qmax, qmax + 1, shape, dtype=torch.int8, generator=generator(seed))
 
 
-# K past a multiple of 32 (the vector loop's tail), N past a multiple of 4 (the row tile) and of 16 (a task)
-@pytest.mark.parametrize(("M", "K", "N"), [(1, 32, 4), (3, 100, 37), (16, 576, 960), (40, 1537, 19)])
+# K past a multiple of 32 or 64 (the vector loops' tails), N past a multiple of 4 (the row tile) and of 16 (a
+# task), M past a multiple of 4 by 1, 2 and 3 (the VNNI tile's activation rows)
+@pytest.mark.parametrize(
+    ("M", "K", "N"), [(1, 32, 4), (3, 100, 37), (6, 64, 8), (16, 576, 960), (17, 130, 12), (40, 1537, 19)]
+)
 def test_product_is_the_exact_integer_sum(M, K, N):
     x_q, w_q = codes(M, K, seed=M), codes(N, K, seed=N)
     want = x_q.double() @ w_q.double().t()

@@ -195,7 +195,9 @@ class LLMEngine:
         if scheduled.is_empty:
             raise RuntimeError("scheduler made no progress; the KV pool is too small for any waiting request")
         if self.speculator is not None:
-            self.speculator.propose(scheduled, self.config.max_num_batched_tokens)
+            self.speculator.propose(
+                scheduled, self.config.max_num_batched_tokens, num_waiting=self.scheduler.num_waiting
+            )
         inputs = build_step_inputs(scheduled, self.blocks, self.device)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         for chunk, offset in zip(scheduled.prefills, inputs.prefill_offsets, strict=True):

@@ -19,6 +19,7 @@ from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
 from worker.engine.outputs import RequestTimings
 from worker.engine.sampler import greedy_picks
+from worker.engine.scheduler import PrefillChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
 from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
@@ -385,8 +386,8 @@ def test_no_drafts_in_a_step_over_the_row_bound(tiny_llama_dir) -> None:
     steps = []
     propose_drafts = speculator.propose
 
-    def recording(out, max_num_batched_tokens: int) -> None:
-        propose_drafts(out, max_num_batched_tokens)
+    def recording(out, max_num_batched_tokens: int, *, num_waiting: int) -> None:
+        propose_drafts(out, max_num_batched_tokens, num_waiting=num_waiting)
         steps.append((out.num_tokens, sum(map(len, out.drafts.values()))))
 
     speculator.propose = recording
@@ -429,6 +430,28 @@ def test_auto_prices_rows_from_the_small_batch_measurement() -> None:
     assert spec._pays(rows=1 + 4096, useful=4097, k=4, acceptance=0.84) is False  # compute-bound prefill
     assert spec._pays(rows=256, useful=256, k=4, acceptance=0.84) is False  # a full batch drafts nothing
     assert spec._pays(rows=256, useful=256, k=4, acceptance=1.0) is False
+
+
+def test_the_tail_values_a_token_by_the_last_steps_it_can_save() -> None:
+    # one pass over the projections with the VNNI small-batch product (2-core AVX-512 VM), milliseconds
+    cost = StepCost((1, 4, 16, 32, 64), (3.63, 4.88, 6.66, 10.76, 17.85))
+    spec = Speculator(None, 4, 2048, step_cost=cost)
+    step = SchedulerOutput(
+        decodes=[Sequence(i, i, [1, 2, 3], SamplingParams(), RequestTimings(0.0)) for i in range(24)]
+    )
+    # requests still waiting: an accepted token saves an average row of the step, and 4 rows at 70% do not
+    # repay their cost with the margin
+    spec._tail_share = spec._tail_value(step, num_waiting=5)
+    assert spec._tail_share == 0.0
+    assert spec._pays(rows=24, useful=24, k=4, acceptance=0.7) is False
+    # the tail: whichever sequence ends last ends the batch, and each of its tokens is a one-row step less
+    spec._tail_share = spec._tail_value(step, num_waiting=0)
+    assert spec._tail_share == pytest.approx(3.63 / 24)
+    assert spec._pays(rows=24, useful=24, k=4, acceptance=0.7)
+    # a step that still prefills is not the tail, nor is one priced without a measurement
+    step.prefills.append(PrefillChunk(step.decodes[0], 0, 3))
+    assert spec._tail_value(step, num_waiting=0) == 0.0
+    assert Speculator(None, 4, 2048, max_rows=8)._tail_value(SchedulerOutput(), num_waiting=0) == 0.0
 
 
 def test_sampling_a_step_in_chunks_of_rows_emits_what_one_chunk_does(echo_on: LLM, monkeypatch) -> None:

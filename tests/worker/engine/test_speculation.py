@@ -436,22 +436,26 @@ def test_the_tail_values_a_token_by_the_last_steps_it_can_save() -> None:
     # one pass over the projections with the VNNI small-batch product (2-core AVX-512 VM), milliseconds
     cost = StepCost((1, 4, 16, 32, 64), (3.63, 4.88, 6.66, 10.76, 17.85))
     spec = Speculator(None, 4, 2048, step_cost=cost)
-    step = SchedulerOutput(
-        decodes=[Sequence(i, i, [1, 2, 3], SamplingParams(), RequestTimings(0.0)) for i in range(24)]
-    )
+    seqs = [Sequence(i, i, [1, 2, 3], SamplingParams(max_tokens=200), RequestTimings(0.0)) for i in range(24)]
+    step = SchedulerOutput(decodes=seqs)
     # requests still waiting: an accepted token saves an average row of the step, and 4 rows at 70% do not
     # repay their cost with the margin
-    spec._tail_share = spec._tail_value(step, num_waiting=5)
-    assert spec._tail_share == 0.0
+    assert spec._tail_values(step, num_waiting=5) == {}
     assert spec._pays(rows=24, useful=24, k=4, acceptance=0.7) is False
     # the tail: whichever sequence ends last ends the batch, and each of its tokens is a one-row step less
-    spec._tail_share = spec._tail_value(step, num_waiting=0)
-    assert spec._tail_share == pytest.approx(3.63 / 24)
-    assert spec._pays(rows=24, useful=24, k=4, acceptance=0.7)
+    shares = spec._tail_values(step, num_waiting=0)
+    assert shares == dict.fromkeys(seqs, pytest.approx(3.63 / 24))
+    assert spec._pays(rows=24, useful=24, k=4, acceptance=0.7, tail_share=shares[seqs[0]])
+    # sequences that started decoding well before the last ones cannot end the batch: the share goes to those
+    spec._steps += 20
+    late = [Sequence(i, i, [1, 2, 3], SamplingParams(max_tokens=200), RequestTimings(0.0)) for i in range(24, 28)]
+    step.decodes.extend(late)
+    shares = spec._tail_values(step, num_waiting=0)
+    assert shares == dict.fromkeys(late, pytest.approx(3.63 / 4))
     # a step that still prefills is not the tail, nor is one priced without a measurement
-    step.prefills.append(PrefillChunk(step.decodes[0], 0, 3))
-    assert spec._tail_value(step, num_waiting=0) == 0.0
-    assert Speculator(None, 4, 2048, max_rows=8)._tail_value(SchedulerOutput(), num_waiting=0) == 0.0
+    step.prefills.append(PrefillChunk(late[0], 0, 3))
+    assert spec._tail_values(step, num_waiting=0) == {}
+    assert Speculator(None, 4, 2048, max_rows=8)._tail_values(SchedulerOutput(), num_waiting=0) == {}
 
 
 def test_sampling_a_step_in_chunks_of_rows_emits_what_one_chunk_does(echo_on: LLM, monkeypatch) -> None:

@@ -27,12 +27,12 @@ step's average (every prefill token and decode row counts one useful row). In th
 waiting or prefilling) an accepted token is worth more than the row it frees: the batch runs until its
 slowest sequence ends, so a token that sequence gains removes one of the last steps, each about a
 one-row step; not knowing which sequence that is, the n sequences that started decoding last (within
-TAIL_SLACK steps) get cost(1) / n per accepted token on top. With the VNNI small-batch product the projections' cost rises by ~3% a row from 16 rows,
-and the average-row rule alone took 25% fewer drafts on the sample-document job than it did with the
-older kernel (264.6 output tokens/s with speculation on, against 277.4); with the tail's share, 296.3. On the 2-core AVX-512 VM
-(bfloat16 + W8A8) a 16-row decode step costs 18.4 ms and 80 rows 33.2 ms: sixteen 4-token drafts
-at 84% acceptance take the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a
-few long documents drafts; at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average,
+TAIL_SLACK steps) get cost(1) / n per accepted token on top. With the VNNI small-batch product the
+projections' cost rises by ~3% a row from 16 rows, and the average-row rule alone took 25% fewer drafts
+on the sample-document job than with the older kernel (264.6 output tokens/s with speculation on, against
+277.4); with the tail's share, 295.3 (mean of four runs). On the 2-core AVX-512 VM (bfloat16 + W8A8)
+a 16-row decode step costs 18.4 ms and 80 rows 33.2 ms: sixteen 4-token drafts at 84% acceptance take
+the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a few long documents drafts; at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average,
 which no acceptance below 100% repays with the margin, so a full batch (a shard's bulk) drafts
 nothing. Without a measurement (float compute, CUDA) a step drafts while its rows stay within
 DEFAULT_MAX_ROWS; an integer `speculation_max_rows` is such a bound too, with no pricing.

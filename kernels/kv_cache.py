@@ -171,7 +171,7 @@ def write_kv_cache(
     key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim], the key's float dtype or int8;
     k_scale_cache/v_scale_cache: [num_blocks, block_size, num_kv_heads] float32, required iff int8.
     """
-    # each writer checks its arguments (once per call: this runs per layer, per step)
+    _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
     backend = select_backend(
         key, compiled_supports=lambda: key_cache.dtype == torch.int8 and cpu_int8_linear.available()
     )

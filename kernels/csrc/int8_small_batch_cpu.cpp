@@ -105,6 +105,9 @@ void tile4(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t K,
 #define FREIGHT_INT8_VNNI512 1
 constexpr int kActivationRowsPerTile = 4;
 
+// The first `bytes` of a 64-byte step, at most all of them: masked loads read zeros past K.
+inline __mmask64 live_bytes(int64_t bytes) { return bytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1; }
+
 // The lane sums of four accumulators, as [sum(a), sum(b), sum(c), sum(d)].
 inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
   // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then [a, b, c, d] partials
@@ -115,8 +118,6 @@ inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
-// out[m0 + r, n .. n + 3] for r < MX: 4 weight rows (shifted to u8) against MX activation rows, 64 bytes
-// a step; the last partial step loads under a mask (zero bytes add nothing).
 // One 64-byte step of a tile: acc[r][j] += (w_j + 128) . x_r over the step's bytes (masked: zero bytes).
 template <int MX>
 __attribute__((always_inline)) inline void step_vnni(__m512i (&acc)[MX][4], const int8_t* wr, const int8_t* xr,
@@ -147,7 +148,7 @@ void tile_vnni(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t*
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
   const int64_t k_full = K - K % 64;
   for (int64_t k = 0; k < k_full; k += 64) step_vnni<MX>(acc, wr, xr, K, k, ~__mmask64(0));
-  if (k_full < K) step_vnni<MX>(acc, wr, xr, K, k_full, (__mmask64(1) << (K - k_full)) - 1);
+  if (k_full < K) step_vnni<MX>(acc, wr, xr, K, k_full, live_bytes(K - k_full));
 #pragma GCC unroll 4
   for (int r = 0; r < MX; ++r) {
     const __m128i sums = _mm_sub_epi32(reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
@@ -162,18 +163,20 @@ std::vector<int32_t> row_sums(const int8_t* x, int64_t M, int64_t K) {
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t m = 0; m < M; ++m) {
     __m512i acc = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 64) {
-      const __mmask64 live = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(live, x + m * K + k));
-    }
+    for (int64_t k = 0; k < K; k += 64)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(live_bytes(K - k), x + m * K + k));
     sums[m] = _mm512_reduce_add_epi32(acc);
   }
   return sums;
 }
 
-void product_rows_vnni(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t* out, int64_t M, int64_t K,
-                       int64_t N, int64_t n_begin, int64_t n_end) {
+#endif
+
+// out[:, n_begin .. n_end) by the build's widest loop; x_sums (row_sums) only for the VNNI one.
+void product_rows(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t* out, int64_t M, int64_t K,
+                  int64_t N, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
+#if defined(FREIGHT_INT8_VNNI512)
   for (; n + kRowsPerTile <= n_end; n += kRowsPerTile) {
     prefetch_tile(w, K, n, n_end);
     int64_t m = 0;
@@ -185,16 +188,7 @@ void product_rows_vnni(const int8_t* x, const int8_t* w, const int32_t* x_sums, 
       default: break;
     }
   }
-  for (; n < n_end; ++n) {
-    for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot_generic(x + m * K, w + n * K, 0, K);
-  }
-}
-#endif
-
-void product_rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t K, int64_t N, int64_t n_begin,
-                  int64_t n_end) {
-  int64_t n = n_begin;
-#if defined(__AVX2__)
+#elif defined(__AVX2__)
   for (; n + kRowsPerTile <= n_end; n += kRowsPerTile) {
     prefetch_tile(w, K, n, n_end);
     tile4(x, w, out, M, K, N, n);
@@ -223,14 +217,12 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out) {
   int32_t* o = out.data_ptr<int32_t>();
 #if defined(FREIGHT_INT8_VNNI512)
   const std::vector<int32_t> x_sums = row_sums(x, M, K);
-  at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
-    product_rows_vnni(x, w, x_sums.data(), o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
-  });
 #else
-  at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
-    product_rows(x, w, o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
-  });
+  const std::vector<int32_t> x_sums;  // the sign-trick loops need no correction
 #endif
+  at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
+    product_rows(x, w, x_sums.data(), o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("product", &product); }

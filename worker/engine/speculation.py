@@ -32,9 +32,9 @@ projections' cost rises by ~3% a row from 16 rows, and the average-row rule alon
 on the sample-document job than with the older kernel (264.6 output tokens/s with speculation on, against
 277.4); with the tail's share, 295.3 (mean of four runs). On the 2-core AVX-512 VM (bfloat16 + W8A8)
 a 16-row decode step costs 18.4 ms and 80 rows 33.2 ms: sixteen 4-token drafts at 84% acceptance take
-the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a few long documents drafts; at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average,
-which no acceptance below 100% repays with the margin, so a full batch (a shard's bulk) drafts
-nothing. Without a measurement (float compute, CUDA) a step drafts while its rows stay within
+the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a few long documents drafts;
+at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average, which no acceptance below 100%
+repays with the margin, so a full batch (a shard's bulk) drafts nothing. Without a measurement (float compute, CUDA) a step drafts while its rows stay within
 DEFAULT_MAX_ROWS; an integer `speculation_max_rows` is such a bound too, with no pricing.
 
 Draft slots always lie past a sequence's committed tokens, in blocks it allocated itself (never shared:
@@ -159,7 +159,6 @@ class Speculator:
         self.step_cost = step_cost
         self.max_rows = max_rows
         self.min_ngram = MIN_NGRAM
-        self._tail_shares: dict[Sequence, float] = {}  # this step's tail value per accepted token (_tail_values)
         self._steps = 0  # steps proposed for so far: when each sequence started decoding
 
     def propose(self, out: SchedulerOutput, max_num_batched_tokens: int, *, num_waiting: int = 0) -> None:
@@ -169,8 +168,8 @@ class Speculator:
         rows = out.num_tokens
         useful = float(rows)  # every prefill token and decode row is work the job needs
         self._steps += 1
-        self._tail_shares = self._tail_values(out, num_waiting)
-        if rows >= cap or not self._pays(rows, useful, 1, 1.0, max(self._tail_shares.values(), default=0.0)):
+        tail_shares = self._tail_values(out, num_waiting)
+        if rows >= cap or not self._pays(rows, useful, 1, 1.0, max(tail_shares.values(), default=0.0)):
             return  # not even a sure one-token draft would pay (a full batch): no lookups at all
         for seq in sorted(out.decodes, key=self._priority):
             state = self._state(seq)
@@ -185,7 +184,7 @@ class Speculator:
             if (
                 fits
                 and state.acceptance >= ACCEPTANCE_FLOOR
-                and self._pays(rows, useful, len(fits), state.acceptance, self._tail_shares.get(seq, 0.0))
+                and self._pays(rows, useful, len(fits), state.acceptance, tail_shares.get(seq, 0.0))
             ):
                 self.blocks.allocate(seq, seq.num_tokens + len(fits))
                 out.drafts[seq] = fits

@@ -9,7 +9,7 @@ import torch
 from worker.engine.attention import KVCache
 from worker.engine.block_manager import BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
-from worker.engine.invariance import invariant_block_rows
+from worker.engine.invariance import invariant_block_rows, wide_block_rows
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import LlamaModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
@@ -62,10 +62,12 @@ class LLMEngine:
         tensors = checkpoint.tensors
         if scheme.quantization == "int8" and config.smoothing:
             tensors = self._smoothed(tensors)
+        invariant_rows = self._invariant_rows(scheme.quantization)
         self.model = LlamaModel(
             self.model_config, tensors, self.dtype, scheme.quantization, self.device,
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
-            small_batch_rows=self._small_batch_rows(), invariant_rows=self._invariant_rows(scheme.quantization),
+            small_batch_rows=self._small_batch_rows(), invariant_rows=invariant_rows,
+            wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows) if invariant_rows > 1 else (),
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()

@@ -7,6 +7,11 @@ B = 16 on SmolLM2's shapes (AMD EPYC, 2 threads); its AVX2 kernel on an Intel Xe
 K = 128, N = 64 rows 6, 7, 14 and 15 of 16 came out differently (each thread's 8 rows run as 6 + 2). So the
 size is checked at load on the model's own projection shapes with random operands, largest candidate first;
 one row at a time always holds.
+
+Prefill runs thousands of rows through each product, and B-row products run those at about half the rate
+of larger ones (SmolLM2's layer shapes, AMD EPYC, 2 threads: 92 GFLOP/s at 16 rows, 146 at 256, 188 at
+2048). So wider blocks are checked too: a size is used where its product rounds every row exactly as the
+row's B-row block does, which keeps each row's result independent of the batch (it is its block's result).
 """
 
 from __future__ import annotations
@@ -17,18 +22,18 @@ import torch.nn.functional as F
 from worker.engine.config import ModelConfig
 
 CANDIDATE_ROWS = (16, 12, 8, 6, 4, 2)  # tried in this order; 1 (row by row) is the fallback
+WIDE_CANDIDATE_ROWS = (1024, 256)  # wide blocks for long inputs, each used where it rounds like the blocks
 
 
-def projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every float product a layer and the LM head run."""
+def projection_shapes(model: ModelConfig, *, lm_head: bool = True) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every float product a layer (and the LM head) runs."""
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return [
         (model.hidden_size, q + 2 * kv),  # qkv
         (q, model.hidden_size),  # o_proj
         (model.hidden_size, 2 * model.intermediate_size),  # gate_up
         (model.intermediate_size, model.hidden_size),  # down
-        (model.hidden_size, model.vocab_size),  # LM head
-    ]
+    ] + ([(model.hidden_size, model.vocab_size)] if lm_head else [])  # fmt: skip
 
 
 def rounds_alike_at_every_position(
@@ -56,3 +61,21 @@ def invariant_block_rows(model: ModelConfig, dtype: torch.dtype) -> int:
         if all(rounds_alike_at_every_position(k, n, rows, dtype) for k, n in shapes):
             return rows
     return 1
+
+
+def rounds_like_its_blocks(in_features: int, out_features: int, rows: int, block: int, dtype: torch.dtype) -> bool:
+    """Whether a `rows`-row product equals, bit for bit, the same rows multiplied `block` rows at a time."""
+    generator = torch.Generator().manual_seed(rows * 31 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    return torch.equal(F.linear(x, weight), torch.cat([F.linear(part, weight) for part in x.split(block)]))
+
+
+def wide_block_rows(model: ModelConfig, dtype: torch.dtype, block: int) -> tuple[int, ...]:
+    """The wide candidates (descending) at which every layer projection of `model` rounds like its `block`-row
+    blocks. The LM head is left out: prefill asks it for one row per prompt, so its rows are few."""
+    shapes = projection_shapes(model, lm_head=False)
+    return tuple(
+        rows for rows in WIDE_CANDIDATE_ROWS
+        if rows % block == 0 and all(rounds_like_its_blocks(k, n, rows, block, dtype) for k, n in shapes)
+    )  # fmt: skip

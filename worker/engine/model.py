@@ -40,14 +40,18 @@ class LlamaModel:
         int8_backend: Int8Backend | None = None,
         small_batch_rows: int = 0,  # INT8 products of at most this many rows take the small-batch kernel
         invariant_rows: int = 0,  # float products in fixed blocks of this many rows (quantization.FloatLinear)
+        wide_rows: tuple[int, ...] = (),  # and in these wider blocks that round like them (layer projections)
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
+        def linear(
+            weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+            wide: tuple[int, ...] = wide_rows,
+        ) -> Linear:
             return make_linear(
-                weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows, invariant_rows
+                weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows, invariant_rows, wide
             )
 
         def get(name: str) -> torch.Tensor:
@@ -59,7 +63,7 @@ class LlamaModel:
         self.norm = get("model.norm.weight").to(dtype)
         # tied models have no lm_head.weight, unless smoothing made one (its columns scaled, see smoothing.py)
         head = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed  # [vocab, hidden]
-        self.lm_head = linear(head, None, out_dtype=torch.float32)
+        self.lm_head = linear(head, None, out_dtype=torch.float32, wide=())  # checked for layer shapes only
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

@@ -27,7 +27,9 @@ class FloatLinear:
     between M = 2 and M = 4), which lets any change of batch composition (a draft's rows, other requests)
     flip a greedy near-tie. A fixed-size product rounds a row the same wherever it sits in the block and
     whatever the other rows hold, at a block size the engine checks at load on the model's shapes
-    (invariance.py: 16 with MKL's AVX-512 sgemm; smaller where a kernel splits a block unevenly)."""
+    (invariance.py: 16 with MKL's AVX-512 sgemm; smaller where a kernel splits a block unevenly). Long inputs
+    (prefill) run as far as they go in wide blocks (wide_rows, descending), sizes at which the check found a
+    product rounds every row as its B-row blocks do: the same results at up to 2x the GEMM rate."""
 
     def __init__(
         self,
@@ -36,17 +38,26 @@ class FloatLinear:
         dtype: torch.dtype,
         out_dtype: torch.dtype | None,
         invariant_rows: int = 0,
+        wide_rows: tuple[int, ...] = (),
     ) -> None:
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype  # None: dtype
         self.invariant_rows = invariant_rows
+        self.wide_rows = wide_rows  # descending multiples of invariant_rows
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         block = self.invariant_rows
         if not block or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
-        parts = list(x.split(block))
+        parts, start = [], 0
+        for wide in self.wide_rows:
+            while x.shape[0] - start >= wide:
+                parts.append(x[start : start + wide])
+                start += wide
+        if start == x.shape[0]:
+            return torch.cat([F.linear(part, self.weight, self.bias) for part in parts])
+        parts += x[start:].split(block)
         short = block - parts[-1].shape[0]
         if short:  # only the last block is padded (with zero rows, whose results are dropped)
             parts[-1] = torch.cat([parts[-1], x.new_zeros(short, x.shape[1])])
@@ -163,12 +174,14 @@ def make_linear(
     int8_backend: Int8Backend | None = None,
     small_batch_rows: int = 0,
     invariant_rows: int = 0,
+    wide_rows: tuple[int, ...] = (),
 ) -> Linear:
     """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch.
     small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
-    invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product."""
+    invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product; wide_rows:
+    larger blocks that round like them."""
     if quantization == "int8":
         if int8_backend == "onednn" and weight.device.type == "cpu":
             return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
         return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
-    return FloatLinear(weight, bias, dtype, out_dtype, invariant_rows)
+    return FloatLinear(weight, bias, dtype, out_dtype, invariant_rows, wide_rows)

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from worker.engine import LLM, SamplingParams
-from worker.engine.invariance import CANDIDATE_ROWS, invariant_block_rows
+from worker.engine.invariance import (
+    CANDIDATE_ROWS,
+    invariant_block_rows,
+    rounds_like_its_blocks,
+    wide_block_rows,
+)
 from worker.engine.quantization import FloatLinear
 
 
@@ -112,6 +117,9 @@ def test_float32_greedy_is_batch_invariant_to_the_bit(tiny_llama_dir) -> None:
     rows = llm.engine.model.layers[0].qkv.invariant_rows
     assert rows in (*CANDIDATE_ROWS, 1)
     assert rows == invariant_block_rows(llm.engine.model_config, torch.float32)
+    wide = llm.engine.model.layers[0].qkv.wide_rows
+    assert wide == (wide_block_rows(llm.engine.model_config, torch.float32, rows) if rows > 1 else ())
+    assert all(w % rows == 0 for w in wide) and llm.engine.model.lm_head.wide_rows == ()
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
     target = prompts(1, seed=11)[0]
     alone = llm.generate([target], params)[0]
@@ -128,6 +136,19 @@ def test_fixed_block_products_round_a_row_alike_at_any_batch_size() -> None:
     for count in (2, 3, 16, 17, 40):
         together = blocked(x[:count])
         assert all(torch.equal(together[i], rows[i][0]) for i in range(count)), count
+
+
+def test_wide_blocks_round_a_row_like_its_block_where_the_check_holds() -> None:
+    # prefill's long inputs run in wide blocks where this machine's GEMM rounds them like 16-row blocks
+    # (invariance.wide_block_rows): a row's result must not change with the block it ran in
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(960, 576, generator=generator)
+    x = torch.randn(600, 576, generator=generator)
+    wide = tuple(w for w in (512, 256, 64) if rounds_like_its_blocks(576, 960, w, 16, torch.float32))
+    blocked = FloatLinear(weight, None, torch.float32, None, invariant_rows=16)
+    widened = FloatLinear(weight, None, torch.float32, None, invariant_rows=16, wide_rows=wide)
+    for count in (64, 256, 300, 600):  # all wide, and wide blocks followed by padded 16-row ones
+        assert torch.equal(widened(x[:count]), blocked(x[:count])), count
 
 
 def test_top_k_one_equals_greedy(tiny: LLM) -> None:

@@ -67,7 +67,7 @@ class LLMEngine:
             self.model_config, tensors, self.dtype, scheme.quantization, self.device,
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
             small_batch_rows=self._small_batch_rows(), invariant_rows=invariant_rows,
-            wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows) if invariant_rows > 1 else (),
+            wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows),
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()

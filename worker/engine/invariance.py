@@ -74,6 +74,8 @@ def rounds_like_its_blocks(in_features: int, out_features: int, rows: int, block
 def wide_block_rows(model: ModelConfig, dtype: torch.dtype, block: int) -> tuple[int, ...]:
     """The wide candidates (descending) at which every layer projection of `model` rounds like its `block`-row
     blocks. The LM head is left out: prefill asks it for one row per prompt, so its rows are few."""
+    if block <= 1:  # no blocks (0), or row by row: nothing to widen
+        return ()
     shapes = projection_shapes(model, lm_head=False)
     return tuple(
         rows for rows in WIDE_CANDIDATE_ROWS

@@ -55,12 +55,11 @@ class FloatLinear:
             while x.shape[0] - start >= wide:
                 parts.append(x[start : start + wide])
                 start += wide
-        if start == x.shape[0]:
-            return torch.cat([F.linear(part, self.weight, self.bias) for part in parts])
-        parts += x[start:].split(block)
-        short = block - parts[-1].shape[0]
-        if short:  # only the last block is padded (with zero rows, whose results are dropped)
-            parts[-1] = torch.cat([parts[-1], x.new_zeros(short, x.shape[1])])
+        if start < x.shape[0]:
+            parts += x[start:].split(block)
+            short = block - parts[-1].shape[0]
+            if short:  # only the last block is padded (with zero rows, whose results are dropped)
+                parts[-1] = torch.cat([parts[-1], x.new_zeros(short, x.shape[1])])
         return torch.cat([F.linear(part, self.weight, self.bias) for part in parts])[: x.shape[0]]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

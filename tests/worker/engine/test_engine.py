@@ -118,7 +118,7 @@ def test_float32_greedy_is_batch_invariant_to_the_bit(tiny_llama_dir) -> None:
     assert rows in (*CANDIDATE_ROWS, 1)
     assert rows == invariant_block_rows(llm.engine.model_config, torch.float32)
     wide = llm.engine.model.layers[0].qkv.wide_rows
-    assert wide == (wide_block_rows(llm.engine.model_config, torch.float32, rows) if rows > 1 else ())
+    assert wide == wide_block_rows(llm.engine.model_config, torch.float32, rows)
     assert all(w % rows == 0 for w in wide) and llm.engine.model.lm_head.wide_rows == ()
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
     target = prompts(1, seed=11)[0]

@@ -18,6 +18,7 @@ import torch
 from kernels import cpu_int8_linear
 from kernels._checks import check_float_tensor, resolve_out_dtype
 from kernels._cpu_build import build_extension
+from kernels.platform import amx_allowed
 
 
 @functools.cache
@@ -31,6 +32,13 @@ def available() -> bool:
     return load_extension() is not None and cpu_int8_linear.available()
 
 
+@functools.cache
+def amx_enabled() -> bool:
+    """Whether the product runs on AMX tiles: the CPU and OS allow it and platform.amx_allowed()."""
+    extension = load_extension()
+    return extension is not None and extension.available_amx() and amx_allowed()
+
+
 def _modules() -> tuple[ModuleType, ModuleType]:
     product, passes = load_extension(), cpu_int8_linear.load_extension()
     if product is None or passes is None:
@@ -38,15 +46,19 @@ def _modules() -> tuple[ModuleType, ModuleType]:
     return product, passes
 
 
-def int8_product(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """x_q [M, K] int8, w_q [N, K] int8 (codes in [-127, 127]) -> x_q @ w_q.T as [M, N] int32, exact."""
+def int8_product(x_q: torch.Tensor, w_q: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
+    """x_q [M, K] int8, w_q [N, K] int8 (codes in [-127, 127]) -> x_q @ w_q.T as [M, N] int32, exact.
+    amx: on AMX tiles (where K is a multiple of 64; the same integers); None: where amx_enabled()."""
     for name, t in (("x_q", x_q), ("w_q", w_q)):
         if t.dtype != torch.int8 or t.dim() != 2 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a 2-D int8 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     if x_q.shape[1] != w_q.shape[1]:
         raise ValueError(f"x_q is [M, K] = {list(x_q.shape)} but w_q is [N, K] = {list(w_q.shape)}")
     out = torch.empty((x_q.shape[0], w_q.shape[0]), dtype=torch.int32)
-    _modules()[0].product(x_q.contiguous(), w_q.contiguous(), out)
+    use_amx = amx_enabled() if amx is None else amx
+    if use_amx and not _modules()[0].available_amx():
+        raise RuntimeError("AMX is not usable on this CPU")
+    _modules()[0].product(x_q.contiguous(), w_q.contiguous(), out, use_amx)
     return out
 
 

@@ -40,6 +40,26 @@ def test_product_is_the_exact_integer_sum(M, K, N):
     assert torch.equal(int8_product(x_q, w_q).double(), want)
 
 
+# M from below the tiles' threshold (8 rows) through partial and several 16-row blocks and more than the four
+# accumulated at once (70), K multiples of 64 (what the tiles take; others keep the SIMD loop), N past a
+# multiple of 16 (the last rows take the SIMD loop)
+@pytest.mark.skipif(not cpu_int8_small_batch.amx_enabled(), reason="no AMX-INT8 on this CPU (or not allowed)")
+@pytest.mark.parametrize(("M", "K", "N"), [(8, 64, 16), (16, 576, 50), (17, 1536, 576), (40, 576, 3072), (70, 128, 33)])
+def test_amx_product_is_the_exact_integer_sum_and_equals_the_simd_loop(M, K, N):
+    x_q, w_q = codes(M, K, seed=M + 1), codes(N, K, seed=N + 1)
+    want = x_q.double() @ w_q.double().t()
+    on_tiles = int8_product(x_q, w_q, amx=True)
+    assert torch.equal(on_tiles.double(), want)
+    assert torch.equal(on_tiles, int8_product(x_q, w_q, amx=False))
+
+
+def test_amx_refused_where_the_cpu_has_none():
+    if cpu_int8_small_batch.load_extension().available_amx():
+        pytest.skip("this CPU has AMX-INT8")
+    with pytest.raises(RuntimeError, match="AMX"):
+        int8_product(codes(8, 64, seed=1), codes(16, 64, seed=2), amx=True)
+
+
 def test_largest_codes_do_not_saturate():
     # |x| = 127 against +-127 weights: each int16 pair sum reaches 2 * 127 * 127 = 32258, just below the limit
     K = 96

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_decode_attention, cpu_int8_linear, cpu_prefill_attention
+from kernels import cpu_decode_attention, cpu_int8_linear, cpu_int8_small_batch, cpu_prefill_attention
 from kernels._cpu_build import CSRC
-from kernels.platform import active_tier, cpu_info
+from kernels.platform import active_tier, amx_allowed, cpu_info
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.attention_plan import AttentionChoice, choose_attention
 from worker.engine.config import DTYPES, EngineConfig, ModelConfig
@@ -88,7 +88,8 @@ class ExecutionPlan:
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
             if self.small_batch is not None and self.small_batch.rows:
-                gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier})"
+                tiles = ", AMX tiles from 8 rows" if cpu_int8_small_batch.amx_enabled() else ""
+                gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier}{tiles})"
         else:
             gemm, quantize = f"{s.dtype} GEMM", "none"
         if self.tier == "cuda":
@@ -221,7 +222,7 @@ def cache_key(model: ModelConfig, max_num_seqs: int, kv_cache_dtype: str = "int8
     parts = [CALIBRATION_VERSION, info.model_name, active_tier(), sorted(info.flags & _RELEVANT_FLAGS),
              torch.__version__, torch.get_num_threads(), model.hidden_size, model.intermediate_size,
              model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size, _decode_rows(max_num_seqs),
-             cpu_int8_linear.available(), _kernel_sources_digest(), kv_cache_dtype]  # fmt: skip
+             cpu_int8_linear.available(), _kernel_sources_digest(), kv_cache_dtype, amx_allowed()]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 

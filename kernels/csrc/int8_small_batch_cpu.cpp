@@ -23,8 +23,7 @@
 // weights need no repacking: out^T [N, M] = w [N, K] . x^T, with a 16-row x 64-byte block of the weight
 // matrix loaded in place as the A tile and the activations packed once per call into the B tiles' layout.
 // One tile product is 16 x 16 x 64 multiply-adds, so up to a few dozen rows cost what reading the weights
-// costs: on a 2-core Xeon VM one pass over 64 MB of SmolLM2's layers took 2.9 / 7.3 / 10.1 ms at 1 / 16 /
-// 32 rows through the VNNI loop and oneDNN (whichever was faster), and see the README for the AMX figures.
+// costs (figures at kAmxMinRows below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -33,10 +32,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -231,18 +227,10 @@ constexpr int64_t kAmxPrefetch = 2;    // weight blocks prefetched ahead into L2
 // VM, one pass over 64 MB of SmolLM2's layers: 1.43 vs 1.75 ms at 1 row, 2.13 vs 1.84 at 8, 3.35 vs 1.93
 // at 16, 5.82 vs 2.65 at 32, 10.9 vs 5.1 at 64)
 constexpr int64_t kAmxMinRows = 8;
+static_assert(kAmxRows % kGrainRows == 0, "the SIMD loop's tasks start where the tiles' rows end");
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Six tiles of 16 rows x 64 bytes. A constant in memory: GCC 12 drops stores into a local config before
-// _tile_loadconfig as dead (it does not see the instruction read them), leaving tiles of zero size.
-constexpr TileConfig kTileConfig{1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
+// Six tiles of 16 rows x 64 bytes.
+constexpr freight::TileConfig kTileConfig{1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
 
 // x [M, K] -> [ceil(M / 16)][K / 64][16 (k / 4)][16 (m)][4 (k % 4)], rows past M zero.
 std::vector<int8_t> pack_activations(const int8_t* x, int64_t M, int64_t K) {
@@ -353,16 +341,9 @@ FREIGHT_AMX_TARGET void product_rows_amx(const int8_t* xp, const int8_t* w, int3
   _tile_release();
 }
 
-// Whether this CPU has AMX-INT8 and the kernel lets this process use its tile registers (Linux asks each
-// process to request them once; oneDNN makes the same request).
+// Whether this CPU has AMX-INT8 and the kernel lets this process use its tile registers.
 bool amx_usable() {
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
-#if defined(__linux__)
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && freight::request_amx_tiles();
 }
 #endif
 
@@ -391,23 +372,16 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx) 
   const int8_t* x = x_q.const_data_ptr<int8_t>();
   const int8_t* w = w_q.const_data_ptr<int8_t>();
   int32_t* o = out.data_ptr<int32_t>();
+  int64_t n_simd = 0;  // weight rows from here on take the SIMD loop
 #if defined(FREIGHT_INT8_AMX)
+  TORCH_CHECK(!amx || available_amx(), "AMX is not usable here");
   if (amx && M >= kAmxMinRows && K % kAmxK == 0 && N >= kAmxRows) {
-    TORCH_CHECK(available_amx(), "AMX is not usable here");
     const std::vector<int8_t> xp = pack_activations(x, M, K);
-    const int64_t n_full = N - N % kAmxRows;
-    at::parallel_for(0, n_full / kAmxRows, 1, [&](int64_t first, int64_t last) {
+    n_simd = N - N % kAmxRows;  // the last rows, fewer than a tile, stay with the loop
+    at::parallel_for(0, n_simd / kAmxRows, 1, [&](int64_t first, int64_t last) {
       product_rows_amx(xp.data(), w, o, M, K, N, first * kAmxRows, last * kAmxRows);
     });
-    if (n_full < N) {  // the last rows, fewer than a tile: the SIMD loop (row sums for its VNNI form)
-#if defined(FREIGHT_INT8_VNNI512)
-      const std::vector<int32_t> x_sums = row_sums(x, M, K);
-#else
-      const std::vector<int32_t> x_sums;
-#endif
-      product_rows(x, w, x_sums.data(), o, M, K, N, n_full, N);
-    }
-    return;
+    if (n_simd == N) return;
   }
 #else
   TORCH_CHECK(!amx, "built without AMX support");
@@ -417,7 +391,8 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx) 
 #else
   const std::vector<int32_t> x_sums;  // the sign-trick loops need no correction
 #endif
-  at::parallel_for(0, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
+  // n_simd is a multiple of a tile's 16 rows, and so of kGrainRows
+  at::parallel_for(n_simd / kGrainRows, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
     product_rows(x, w, x_sums.data(), o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
   });
 }

@@ -17,17 +17,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "balanced_parallel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
-
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_math.h"
@@ -240,17 +236,8 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
 #define FREIGHT_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 constexpr int kRowsAmx = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows x 64 bytes. A constant in memory: GCC 12 drops stores into a local config before
-// _tile_loadconfig as dead (it does not see the instruction read them), leaving tiles of zero size.
-constexpr TileConfig kTileConfig{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+// Every tile 16 rows x 64 bytes.
+constexpr freight::TileConfig kTileConfig{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 FREIGHT_AMX_TARGET void amx_begin() { _tile_loadconfig(&kTileConfig); }
 
@@ -347,16 +334,9 @@ FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int
   }
 }
 
-// Whether this CPU has AMX-BF16 and the kernel lets this process use its tile registers (Linux asks each
-// process to request them once; oneDNN makes the same request).
+// Whether this CPU has AMX-BF16 and the kernel lets this process use its tile registers.
 bool amx_usable() {
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-#if defined(__linux__)
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && freight::request_amx_tiles();
 }
 #endif
 #endif

@@ -31,7 +31,7 @@ def doctor_report(
             "decode_attention": cpu_decode_attention.available(),
             "int8_linear": cpu_int8_linear.available(),
             "int8_small_batch": cpu_int8_small_batch.available(),
-            "int8_small_batch_amx": cpu_int8_small_batch.available() and cpu_int8_small_batch.amx_enabled(),
+            "int8_small_batch_amx": cpu_int8_small_batch.amx_enabled(),
             "prefill_attention_float32": cpu_prefill_attention.available(torch.float32),
             "prefill_attention_bfloat16": cpu_prefill_attention.available(torch.bfloat16),
         },

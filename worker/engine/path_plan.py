@@ -88,7 +88,7 @@ class ExecutionPlan:
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
             if self.small_batch is not None and self.small_batch.rows:
-                tiles = ", AMX tiles from 8 rows" if cpu_int8_small_batch.amx_enabled() else ""
+                tiles = ", AMX tiles" if cpu_int8_small_batch.amx_enabled() else ""
                 gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier}{tiles})"
         else:
             gemm, quantize = f"{s.dtype} GEMM", "none"

@@ -4,7 +4,10 @@ The torch path (kernels/decode_attention.py) has to gather every sequence's bloc
 before its batched matmuls; at batch 256 that copy, not arithmetic, is most of a decode step. This
 kernel reads each cached key and value row in place, converting INT8 in registers: one task per
 sequence walks its blocks in order, reading each block (all kv heads of a slot side by side) as one
-contiguous stretch while the next ones are prefetched, since blocks sit anywhere in the pool. It is
+contiguous stretch while the next ones are prefetched, since blocks sit anywhere in the pool. Rows that
+continue one sequence (speculation's decode row and draft tokens: the same block table, each row one
+position further) form a run that reads the cache once; each row's arithmetic is what it would be alone,
+so a run changes no result. It is
 compiled with torch.utils.cpp_extension the first time it is needed (a C++ compiler and ninja are
 required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch path is used instead.
 """

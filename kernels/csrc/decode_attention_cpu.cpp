@@ -1,7 +1,9 @@
 // Paged decode attention for CPU, reading the cache in place (one task per sequence on the SIMD paths,
 // per (sequence, kv head) on the portable one).
 // Each key and value row is read once, converted to float in registers and used by every query head
-// of the group, so INT8 caches are never expanded into a float copy in memory.
+// of the group, so INT8 caches are never expanded into a float copy in memory. On the SIMD paths a run of
+// rows of one sequence (a decode row and the draft tokens speculation verifies after it) reads each block
+// once for the whole run: draft rows then cost arithmetic, not another pass over the cache.
 //
 // Three code paths, picked by the ISA the build targets: with AVX-512 (or else AVX2 + FMA) and head_dim
 // in {32, 64, 128} (every Llama-family model we load), the group size and head_dim are template
@@ -17,10 +19,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "avx512_math.h"
 #define FREIGHT_DECODE_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "avx2_math.h"
@@ -102,14 +105,26 @@ void decode_task_generic(const float* q, const CacheT* key_cache, const CacheT* 
 #if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead of use a block is prefetched
 
-inline void prefetch_bytes(const void* start, int64_t bytes) {
+// Always inlined, as is its caller: GCC 12's mod-ref analysis finds an out-of-line function that only
+// prefetches free of side effects and deletes its calls (no prefetch was left in this kernel's build).
+__attribute__((always_inline)) inline void prefetch_bytes(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
+// Block b's rows and, for INT8 caches, its scales (a separate array, so a second miss per block otherwise).
+template <typename CacheT, typename ScaleT>
+__attribute__((always_inline)) inline void prefetch_block_and_scales(const CacheT* cache, const ScaleT* scales,
+                                                                    const int32_t* table, int64_t b, int64_t num_blocks,
+                                                                    int64_t block_elems, int64_t block_slots) {
+  if (b >= num_blocks) return;
+  prefetch_bytes(cache + table[b] * block_elems, block_elems * sizeof(CacheT));
+  if (scales) prefetch_bytes(scales + table[b] * block_slots, block_slots * sizeof(ScaleT));
+}
+
 template <typename CacheT, typename ScaleT>
 using SequenceFn = void (*)(const float*, const CacheT*, const CacheT*, const ScaleT*, const ScaleT*,
-                            const int32_t*, int64_t, int64_t, int64_t, std::vector<float>&,
+                            const int32_t*, int64_t, int64_t, int64_t, int64_t, std::vector<float>&,
                             std::vector<float>&, float*);
 #endif
 
@@ -132,11 +147,6 @@ inline __m512 load16(const double* p) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
-template <typename CacheT>
-inline void prefetch_block(const CacheT* cache, const int32_t* table, int64_t b, int64_t num_blocks,
-                           int64_t block_elems) {
-  if (b < num_blocks) prefetch_bytes(cache + table[b] * block_elems, block_elems * sizeof(CacheT));
-}
 
 // out[i] = sum of the 16 floats of rows[i], for 16 rows at once: pairs of rows are interleaved and added,
 // then pairs of pairs, then the four 128-bit lanes are transposed and added (31 vector ops in all).
@@ -161,107 +171,132 @@ inline __m512 sum_rows16(const float (*rows)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
 }
 
-// One sequence, every head. The cache is walked block by block, and inside a block slot by slot with
-// all kv heads of a slot side by side, so each block is read as one contiguous stretch; the next
-// block is prefetched while this one is used (blocks sit anywhere in the pool).
+// Softmax numerators of one score row in place, s[0, len) -> exp(s - max); returns 1 / their sum. Explicit
+// vectors with a masked tail, so a row's result does not depend on where it sits in memory.
+inline float softmax_numerators(float* s, int64_t len, float max) {
+  const __m512 mv = _mm512_set1_ps(max);
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+    const __m512 e = freight::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mv));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(live, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(sv);
+}
+
+// One sequence, every head, for a run of `rows` query rows at consecutive positions (a decode row and the
+// draft tokens after it): row r attends to the first len + r slots. The cache is walked block by block,
+// and inside a block slot by slot with all kv heads of a slot side by side, so each block is read as one
+// contiguous stretch, once for all rows; the next block is prefetched while this one is used (blocks sit
+// anywhere in the pool). Each row does exactly the arithmetic it would do alone.
 template <int G, int D, typename CacheT, typename ScaleT>
-void decode_sequence_avx512(const float* q,  // [kv_heads * G, D]
+void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
                             const CacheT* key_cache, const CacheT* value_cache, const ScaleT* key_scales,
-                            const ScaleT* value_scales, const int32_t* table, int64_t len,
+                            const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t rows,
                             int64_t block_size, int64_t kv_heads, std::vector<float>& scores,
-                            std::vector<float>& acc_buffer, float* out) {  // [kv_heads * G, D]
+                            std::vector<float>& acc_buffer, float* out) {  // [rows, kv_heads * G, D]
   constexpr int C = D / 16;  // 16-float chunks per row
-  const int64_t heads = kv_heads * G;
+  const int64_t heads = kv_heads * G, row_elems = heads * D;
   const int64_t slot_elems = kv_heads * D, block_elems = block_size * slot_elems;
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  scores.resize(heads * len + heads);
-  float* s = scores.data();
-  float* maxima = s + heads * len;
-  for (int64_t h = 0; h < heads; ++h) maxima[h] = -INFINITY;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(key_cache, table, b, num_blocks, block_elems);
+  const int64_t stride = len + rows - 1;  // the last row's context: the score rows' stride
+  const int64_t num_blocks = (stride + block_size - 1) / block_size;
+  scores.resize(rows * heads * (stride + 1));
+  float* s = scores.data();                     // [rows, heads, stride]
+  float* maxima = s + rows * heads * stride;    // [rows, heads]
+  for (int64_t h = 0; h < rows * heads; ++h) maxima[h] = -INFINITY;
+  const int64_t block_slots = block_size * kv_heads;
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+    prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
-    prefetch_block(key_cache, table, b + kPrefetchBlocks, num_blocks, block_elems);
+    const int64_t block = table[b], t0 = b * block_size;
+    prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
+                              block_slots);
     const CacheT* kb = key_cache + block * block_elems;
     const ScaleT* kscale = key_scales ? key_scales + block * block_size * kv_heads : nullptr;
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      __m512 qv[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) qv[g][c] = load16(q + (kvh * G + g) * D + c * 16);
-      // 16 slots at a time: each (slot, head) dot product is left as 16 partial sums, and the 16 slots'
-      // partials are reduced together by one transposing tree (a horizontal sum per dot costs 3x more)
-      for (int64_t u0 = 0; u0 < n; u0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - u0);
-        const __mmask16 live = m == 16 ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
-        alignas(64) float partial[G][16][16];
-        alignas(64) float ks[16];
-        for (int64_t t = 0; t < m; ++t) {
-          const CacheT* k = kb + (u0 + t) * slot_elems + kvh * D;
-          __m512 kv[C];
-          for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
-          for (int g = 0; g < G; ++g) {
-            __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-            for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[g][c], kv[c], dot);
-            _mm512_store_ps(partial[g][t], dot);
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min(block_size, len + r - t0);
+        if (n <= 0) continue;  // this row's context ends before the block
+        const float* qr = q + r * row_elems;
+        float* sr = s + r * heads * stride;
+        float* mr = maxima + r * heads;
+        __m512 qv[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) qv[g][c] = load16(qr + (kvh * G + g) * D + c * 16);
+        // 16 slots at a time: each (slot, head) dot product is left as 16 partial sums, and the 16 slots'
+        // partials are reduced together by one transposing tree (a horizontal sum per dot costs 3x more)
+        for (int64_t u0 = 0; u0 < n; u0 += 16) {
+          const int64_t m = std::min<int64_t>(16, n - u0);
+          const __mmask16 live = m == 16 ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
+          alignas(64) float partial[G][16][16];
+          alignas(64) float ks[16];
+          for (int64_t t = 0; t < m; ++t) {
+            const CacheT* k = kb + (u0 + t) * slot_elems + kvh * D;
+            __m512 kv[C];
+            for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+            for (int g = 0; g < G; ++g) {
+              __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+              for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[g][c], kv[c], dot);
+              _mm512_store_ps(partial[g][t], dot);
+            }
+            ks[t] = kscale ? to_float(kscale[(u0 + t) * kv_heads + kvh]) : 1.f;
           }
-          ks[t] = kscale ? to_float(kscale[(u0 + t) * kv_heads + kvh]) : 1.f;
-        }
-        for (int64_t t = m; t < 16; ++t) {  // past the block's last slot: finite filler, masked below
-          for (int g = 0; g < G; ++g) _mm512_store_ps(partial[g][t], _mm512_setzero_ps());
-          ks[t] = 0.f;
-        }
-        const __m512 scales = _mm512_load_ps(ks);
-        for (int g = 0; g < G; ++g) {
-          const __m512 scores = _mm512_mul_ps(sum_rows16(partial[g]), scales);
-          _mm512_mask_storeu_ps(s + (kvh * G + g) * len + t0 + u0, live, scores);
-          maxima[kvh * G + g] = std::max(maxima[kvh * G + g], _mm512_mask_reduce_max_ps(live, scores));
+          for (int64_t t = m; t < 16; ++t) {  // past the row's last slot: finite filler, masked below
+            for (int g = 0; g < G; ++g) _mm512_store_ps(partial[g][t], _mm512_setzero_ps());
+            ks[t] = 0.f;
+          }
+          const __m512 scales = _mm512_load_ps(ks);
+          for (int g = 0; g < G; ++g) {
+            const __m512 scores = _mm512_mul_ps(sum_rows16(partial[g]), scales);
+            _mm512_mask_storeu_ps(sr + (kvh * G + g) * stride + t0 + u0, live, scores);
+            mr[kvh * G + g] = std::max(mr[kvh * G + g], _mm512_mask_reduce_max_ps(live, scores));
+          }
         }
       }
-    }
   }
 
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(value_cache, table, b, num_blocks, block_elems);
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sh = s + h * len;
-    const float m = maxima[h];
-    float sum = 0.f;
-    // vectorized expf (glibc libmvec under -ffast-math)
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      sh[t] = std::exp(sh[t] - m);
-      sum += sh[t];
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+    prefetch_block_and_scales(value_cache, value_scales, table, b, num_blocks, block_elems, block_slots);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* mh = maxima + r * heads + h;
+      *mh = softmax_numerators(s + (r * heads + h) * stride, len + r, *mh);  // from here on: 1 / the sum
     }
-    maxima[h] = 1.f / sum;  // from here on: the softmax's normalizer
-  }
 
-  acc_buffer.assign(heads * D, 0.f);
-  float* acc_all = acc_buffer.data();
+  acc_buffer.assign(rows * row_elems, 0.f);
+  float* acc_all = acc_buffer.data();  // [rows, heads, D]
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
-    prefetch_block(value_cache, table, b + kPrefetchBlocks, num_blocks, block_elems);
+    const int64_t block = table[b], t0 = b * block_size;
+    prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
+                              block_slots);
     const CacheT* vb = value_cache + block * block_elems;
     const ScaleT* vscale = value_scales ? value_scales + block * block_size * kv_heads : nullptr;
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      float* acc_group = acc_all + kvh * G * D;
-      __m512 acc[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_group + g * D + c * 16);
-      for (int64_t t = 0; t < n; ++t) {
-        const CacheT* v = vb + t * slot_elems + kvh * D;
-        __m512 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
-        const float vs = vscale ? to_float(vscale[t * kv_heads + kvh]) : 1.f;
-        for (int g = 0; g < G; ++g) {
-          const __m512 w = _mm512_set1_ps(s[(kvh * G + g) * len + t0 + t] * vs);
-          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min(block_size, len + r - t0);
+        if (n <= 0) continue;
+        const float* sr = s + r * heads * stride;
+        float* acc_group = acc_all + r * row_elems + kvh * G * D;
+        __m512 acc[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_group + g * D + c * 16);
+        for (int64_t t = 0; t < n; ++t) {
+          const CacheT* v = vb + t * slot_elems + kvh * D;
+          __m512 vv[C];
+          for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+          const float vs = vscale ? to_float(vscale[t * kv_heads + kvh]) : 1.f;
+          for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(sr[(kvh * G + g) * stride + t0 + t] * vs);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+          }
         }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_group + g * D + c * 16, acc[g][c]);
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_group + g * D + c * 16, acc[g][c]);
-    }
   }
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t h = 0; h < rows * heads; ++h) {
     const __m512 inv = _mm512_set1_ps(maxima[h]);
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_all + h * D + c * 16), inv));
@@ -374,77 +409,79 @@ inline float softmax_numerators(float* s, int64_t len) {
   return 1.f / sum;
 }
 
-// Block b's rows and, for INT8 caches, its scales (a separate array, so a second miss per block otherwise).
-template <typename CacheT, typename ScaleT>
-inline void prefetch_block_and_scales(const CacheT* cache, const ScaleT* scales, const int32_t* table, int64_t b,
-                                      int64_t num_blocks, int64_t block_elems, int64_t block_slots) {
-  if (b >= num_blocks) return;
-  prefetch_bytes(cache + table[b] * block_elems, block_elems * sizeof(CacheT));
-  if (scales) prefetch_bytes(scales + table[b] * block_slots, block_slots * sizeof(ScaleT));
-}
 
-// One sequence, every head, walked as in decode_sequence_avx512: block by block, all kv heads of a slot
-// side by side, the next blocks prefetched.
+// One sequence, every head, for a run of rows at consecutive positions, walked as in
+// decode_sequence_avx512: block by block (read once for all rows), all kv heads of a slot side by side,
+// the next blocks prefetched.
 template <int G, int D, typename CacheT, typename ScaleT>
-void decode_sequence_avx2(const float* q,  // [kv_heads * G, D]
+void decode_sequence_avx2(const float* q,  // [rows, kv_heads * G, D]
                           const CacheT* key_cache, const CacheT* value_cache, const ScaleT* key_scales,
-                          const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t block_size,
-                          int64_t kv_heads, std::vector<float>& scores, std::vector<float>& acc_buffer,
-                          float* out) {  // [kv_heads * G, D]
+                          const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t rows,
+                          int64_t block_size, int64_t kv_heads, std::vector<float>& scores,
+                          std::vector<float>& acc_buffer, float* out) {  // [rows, kv_heads * G, D]
   constexpr int TT = score_slots_per_step(G);
-  const int64_t heads = kv_heads * G;
+  const int64_t heads = kv_heads * G, row_elems = heads * D;
   const int64_t slot_elems = kv_heads * D, block_elems = block_size * slot_elems;
   const int64_t block_slots = block_size * kv_heads;
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  scores.resize(heads * len + heads);
-  float* s = scores.data();  // [heads, len]
-  float* inv_sum = s + heads * len;
+  const int64_t stride = len + rows - 1;  // the last row's context: the score rows' stride
+  const int64_t num_blocks = (stride + block_size - 1) / block_size;
+  scores.resize(rows * heads * (stride + 1));
+  float* s = scores.data();                   // [rows, heads, stride]
+  float* inv_sum = s + rows * heads * stride;  // [rows, heads]
   for (int64_t b = 0; b < kPrefetchBlocks; ++b)
     prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
+    const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* kb = key_cache + block * block_elems;
     const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      const float* qh = q + kvh * G * D;
-      float* sh = s + kvh * G * len + t0;
-      const ScaleT* ks = kscale ? kscale + kvh : nullptr;
-      int64_t t = 0;
-      for (; t + TT <= n; t += TT)
-        score_slots<G, D, TT>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
-                              kv_heads, sh + t, len);
-      for (; t < n; ++t)
-        score_slots<G, D, 1>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
-                             kv_heads, sh + t, len);
-    }
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min(block_size, len + r - t0);
+        if (n <= 0) continue;  // this row's context ends before the block
+        const float* qh = q + r * row_elems + kvh * G * D;
+        float* sh = s + (r * heads + kvh * G) * stride + t0;
+        const ScaleT* ks = kscale ? kscale + kvh : nullptr;
+        int64_t t = 0;
+        for (; t + TT <= n; t += TT)
+          score_slots<G, D, TT>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
+                                kv_heads, sh + t, stride);
+        for (; t < n; ++t)
+          score_slots<G, D, 1>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
+                               kv_heads, sh + t, stride);
+      }
   }
 
   for (int64_t b = 0; b < kPrefetchBlocks; ++b)
     prefetch_block_and_scales(value_cache, value_scales, table, b, num_blocks, block_elems, block_slots);
-  for (int64_t h = 0; h < heads; ++h) inv_sum[h] = softmax_numerators(s + h * len, len);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      inv_sum[r * heads + h] = softmax_numerators(s + (r * heads + h) * stride, len + r);
 
-  acc_buffer.assign(heads * D, 0.f);
-  float* acc_all = acc_buffer.data();
+  acc_buffer.assign(rows * row_elems, 0.f);
+  float* acc_all = acc_buffer.data();  // [rows, heads, D]
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t block = table[b], t0 = b * block_size, n = std::min(block_size, len - t0);
+    const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* vb = value_cache + block * block_elems;
     const ScaleT* vscale = value_scales ? value_scales + block * block_slots : nullptr;
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      float* sh = s + kvh * G * len + t0;
-      if (vscale)  // the weights take the value scales: each weight is used once
-        for (int64_t t = 0; t < n; ++t) {
-          const float vs = to_float(vscale[t * kv_heads + kvh]);
-          for (int g = 0; g < G; ++g) sh[g * len + t] *= vs;
-        }
-      accumulate_values<G, D>(sh, len, vb + kvh * D, slot_elems, n, acc_all + kvh * G * D);
-    }
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min(block_size, len + r - t0);
+        if (n <= 0) continue;
+        float* sh = s + (r * heads + kvh * G) * stride + t0;
+        if (vscale)  // the weights take the value scales: each weight is used once
+          for (int64_t t = 0; t < n; ++t) {
+            const float vs = to_float(vscale[t * kv_heads + kvh]);
+            for (int g = 0; g < G; ++g) sh[g * stride + t] *= vs;
+          }
+        accumulate_values<G, D>(sh, stride, vb + kvh * D, slot_elems, n, acc_all + r * row_elems + kvh * G * D);
+      }
   }
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t h = 0; h < rows * heads; ++h) {
     const __m256 inv = _mm256_set1_ps(inv_sum[h]);
     for (int c = 0; c < D / 8; ++c)
       _mm256_storeu_ps(out + h * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc_all + h * D + c * 8), inv));
@@ -498,14 +535,24 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
 #if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
   const SequenceFn<CacheT, ScaleT> fast = pick_task<CacheT, ScaleT>(group, head_dim);
   if (fast) {
-    // a sequence costs its context plus a fixed part (queries, softmax, output) worth a few dozen slots
-    const auto cost = [&](int64_t seq) { return context_lens[seq] + 32; };
+    // A run of rows that continue one sequence (a decode row and its draft tokens: the same block table,
+    // each row one position further) reads the cache once for the run. Threads split the rows, not the runs,
+    // so that a few long runs (a tail of one or two speculating sequences) still keep every thread busy; a
+    // run cut by a thread boundary is read once by each side.
+    const int64_t table_bytes = max_blocks * static_cast<int64_t>(sizeof(int32_t));
+    const auto continues = [&](int64_t row) {
+      return context_lens[row] == context_lens[row - 1] + 1 &&
+             std::memcmp(block_tables + row * max_blocks, block_tables + (row - 1) * max_blocks, table_bytes) == 0;
+    };
+    // a row costs its context plus a fixed part (queries, softmax, output) worth a few dozen slots
+    const auto cost = [&](int64_t row) { return context_lens[row] + 32; };
     freight::parallel_for_balanced(num_seqs, cost, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
-      for (int64_t seq = begin; seq < end; ++seq) {
-        const int64_t offset = seq * num_heads * head_dim;
-        fast(query + offset, key_cache, value_cache, key_scales, value_scales, block_tables + seq * max_blocks,
-             context_lens[seq], block_size, kv_heads, scores, acc, out + offset);
+      for (int64_t first = begin, last; first < end; first = last) {
+        for (last = first + 1; last < end && continues(last);) ++last;
+        const int64_t offset = first * num_heads * head_dim;
+        fast(query + offset, key_cache, value_cache, key_scales, value_scales, block_tables + first * max_blocks,
+             context_lens[first], last - first, block_size, kv_heads, scores, acc, out + offset);
       }
     });
     return;

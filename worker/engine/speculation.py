@@ -5,7 +5,8 @@ MIN_NGRAM) that also occurs earlier in its prompt or output, at its most recent 
 tokens that followed it there. A summary copies names, numbers and phrases from its document, so such a
 lookup costs microseconds and needs no second model. The step feeds the sequence's last token and its k
 draft tokens as 1 + k decode rows (row j attends to the context up to its own position, through the
-paged decode kernel, exactly as k + 1 plain decodes would), and verify.py keeps the longest agreeing
+paged decode kernel, exactly as k + 1 plain decodes would; on CPU the kernel reads the sequence's cache
+once for the run of rows), and verify.py keeps the longest agreeing
 run plus one token. KV slots of rejected draft tokens count as uncomputed and their blocks are trimmed.
 
 How many tokens (adaptive k, per sequence): k starts at num_speculative_tokens, grows by 2 after a

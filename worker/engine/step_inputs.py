@@ -39,7 +39,8 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
     sample_drafts: list[list[int]] = []
     for seq in out.decodes:
         # a draft's tokens are decode rows too: row j attends to the context up to its own position, whose
-        # K/V this step writes before attending, so k + 1 rows score what k + 1 decode steps would
+        # K/V this step writes before attending, so k + 1 rows score what k + 1 decode steps would; the rows
+        # stay adjacent with one block table, which the CPU kernel reads as one run (one pass over the cache)
         draft = out.drafts.get(seq, [])
         start = seq.num_computed_tokens
         for pos, token in enumerate([seq.token_at(start), *draft], start=start):

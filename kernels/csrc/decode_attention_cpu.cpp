@@ -1,5 +1,5 @@
-// Paged decode attention for CPU, reading the cache in place (one task per sequence on the SIMD paths,
-// per (sequence, kv head) on the portable one).
+// Paged decode attention for CPU, reading the cache in place (one task per run of rows of a sequence on the
+// SIMD paths, per (row, kv head) on the portable one).
 // Each key and value row is read once, converted to float in registers and used by every query head
 // of the group, so INT8 caches are never expanded into a float copy in memory. On the SIMD paths a run of
 // rows of one sequence (a decode row and the draft tokens speculation verifies after it) reads each block
@@ -147,7 +147,6 @@ inline __m512 load16(const double* p) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
-
 // out[i] = sum of the 16 floats of rows[i], for 16 rows at once: pairs of rows are interleaved and added,
 // then pairs of pairs, then the four 128-bit lanes are transposed and added (31 vector ops in all).
 inline __m512 sum_rows16(const float (*rows)[16]) {
@@ -214,7 +213,7 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
     prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* kb = key_cache + block * block_elems;
-    const ScaleT* kscale = key_scales ? key_scales + block * block_size * kv_heads : nullptr;
+    const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = std::min(block_size, len + r - t0);
@@ -272,7 +271,7 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
     prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* vb = value_cache + block * block_elems;
-    const ScaleT* vscale = value_scales ? value_scales + block * block_size * kv_heads : nullptr;
+    const ScaleT* vscale = value_scales ? value_scales + block * block_slots : nullptr;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = std::min(block_size, len + r - t0);

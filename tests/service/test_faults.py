@@ -2,7 +2,8 @@
 with exactly one result per input row and metrics that agree with the rows.
 
 The service here has its own queues and short timeouts: a 5 s shard lease (renewed every 1.25 s), a
-2 s broker visibility timeout (so a shard that runs 4 s outlives it), and 2 attempts per shard. The
+1 s broker visibility timeout (so a shard outlives it even on a fast machine, where the longest runs
+2.8 s: at 2 s a redelivery raced the shard's end there), and 2 attempts per shard. The
 shards are made to run for seconds (per-row max_tokens up to 1900 with a 2048-token context), so a
 fault can land in the middle of one."""
 
@@ -59,7 +60,7 @@ def fault_env(
         str(tiny_llama_dir),
         FREIGHT_MAX_MODEL_LEN="2048",
         FREIGHT_SHARD_LEASE_SECONDS="5",
-        FREIGHT_BROKER_VISIBILITY_TIMEOUT="2",
+        FREIGHT_BROKER_VISIBILITY_TIMEOUT="1",
         FREIGHT_SHARD_MAX_ATTEMPTS="2",
         FREIGHT_RESULT_CHUNK_ROWS="1",
         FREIGHT_CANCEL_POLL_SECONDS="0.5",
@@ -129,10 +130,10 @@ def db(fault_env: ServiceEnv) -> Iterator[ServiceDB]:
 def test_a_shard_that_outlives_the_visibility_timeout_runs_once(
     fault_client: FreightClient, workers: Workers, db: ServiceDB
 ) -> None:
-    """Redis hands the unacknowledged shard to the idle second worker after 2 s; the lease turns it
+    """Redis hands the unacknowledged shard to the idle second worker after 1 s; the lease turns it
     away (it looks again later and finds the shard done), so the shard runs once."""
     first, second = workers.ensure(2)
-    table = staggered_table(4, (1900, 1900, 1900, 1900))  # one shard of about 5 s
+    table = staggered_table(4, (1900, 1900, 1900, 1900))  # one shard of 2.8 s (fast VM) to 5 s
     job = fault_client.submit(table, max_tokens=8)
     done = fault_client.wait(job["id"], poll_seconds=0.2, timeout=120)
     assert done["status"] == "completed", done

@@ -7,9 +7,10 @@ sequence walks its blocks in order, reading each block (all kv heads of a slot s
 contiguous stretch while the next ones are prefetched, since blocks sit anywhere in the pool. Rows that
 continue one sequence (speculation's decode row and draft tokens: the same block table, each row one
 position further) form a run that reads the cache once; each row's arithmetic is what it would be alone,
-so a run changes no result. It is
-compiled with torch.utils.cpp_extension the first time it is needed (a C++ compiler and ninja are
-required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch path is used instead.
+so a run changes no result. On the AVX-512 tier, INT8 keys are scored against the query rounded to INT8
+per head, by VNNI (scores_int8_queries). It is compiled with torch.utils.cpp_extension the first time it
+is needed (a C++ compiler and ninja are required); when that fails, or FREIGHT_CPU_KERNELS=0, the torch
+path is used instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from types import ModuleType
 import torch
 
 from kernels._cpu_build import build_extension
+from kernels.platform import active_tier
+
+INT8_QUERY_HEAD_DIMS = (64, 128)  # whole 64-byte key rows: what the VNNI score pass transposes
+MAX_COMPILED_GROUP = 8  # query heads per kv head with a compiled SIMD path (larger groups: portable loop)
 
 
 @functools.cache
@@ -30,6 +35,18 @@ def load_extension() -> ModuleType | None:
 
 def available() -> bool:
     return load_extension() is not None
+
+
+def scores_int8_queries(cache_dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether this build scores INT8 keys against INT8 queries (kernels.reference.int8_query_reference):
+    the AVX-512 tier, which has VNNI, at head_dim 64 or 128 and a compiled group size. Elsewhere the
+    query stays float32."""
+    return (
+        cache_dtype == torch.int8
+        and active_tier() == "avx512"
+        and head_dim in INT8_QUERY_HEAD_DIMS
+        and group <= MAX_COMPILED_GROUP
+    )
 
 
 def paged_decode_attention_cpu(

@@ -18,6 +18,16 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_query_reference(query: torch.Tensor) -> torch.Tensor:
+    """A float32 query [..., head_dim] as an INT8 decode kernel scores it: per head, codes
+    round(q * (127 / max|q|)) (a zero head stays zero) times max|q| / 127."""
+    query = query.float()
+    top = query.abs().amax(dim=-1, keepdim=True)
+    # a true float32 division (127.0 / top would be computed as 127 * (1 / top), off by an ulp at times)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    return torch.round(query * inverse) * (top / 127.0)
+
+
 def write_kv_cache_reference(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -5,6 +5,12 @@
 // rows of one sequence (a decode row and the draft tokens speculation verifies after it) reads each block
 // once for the whole run: draft rows then cost arithmetic, not another pass over the cache.
 //
+// INT8 keys on the AVX-512 path are scored against the query rounded to INT8 per head (scale max|q| / 127),
+// by VNNI on 16 transposed slots at a time: a draft row's scores then cost a quarter of the float
+// products and no horizontal sums (score_block_vnni). The rounding adds error of the size the INT8 cache
+// already has (the query's codes are as fine as the keys'); greedy agreement with float32 stays within its
+// spread (README, Engine).
+//
 // Three code paths, picked by the ISA the build targets: with AVX-512 (or else AVX2 + FMA) and head_dim
 // in {32, 64, 128} (every Llama-family model we load), the group size and head_dim are template
 // parameters, so the group's working set is laid out at compile time; otherwise a portable loop does the
@@ -20,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -184,6 +191,113 @@ inline float softmax_numerators(float* s, int64_t len, float max) {
   return 1.f / _mm512_reduce_add_ps(sv);
 }
 
+// In place: lane t of r[j] becomes lane j of the old r[t] (a 16 x 16 transpose of 32-bit elements): pairs
+// are interleaved by 32 and 64 bits inside each 128-bit lane, then the lanes are exchanged (64 shuffles).
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 4; ++i) {
+    t[4 * i + 0] = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]);
+    t[4 * i + 1] = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
+    t[4 * i + 2] = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]);
+    t[4 * i + 3] = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: u[4i + k] holds column 4L + k of rows 4i .. 4i + 3
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k gathers lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// One query head as INT8 for the VNNI key scores: symmetric, scale max|q| / 127, codes rounded to nearest
+// even. Writes D codes; returns the scale and, in *sum, the codes' sum (the unsigned-key correction).
+template <int D>
+inline float quantize_query(const float* q, int8_t* codes, int32_t* sum) {
+  constexpr int C = D / 16;
+  __m512 top = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(q + c * 16)));
+  const float max = _mm512_reduce_max_ps(top);
+  // divss itself: under -ffast-math a plain division may become a multiply by a reciprocal, and the codes
+  // must round exactly as the reference's (a product on a .5 tie would round either way)
+  const float inverse = max > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.f), _mm_set_ss(max))) : 0.f;
+  const __m512 inv = _mm512_set1_ps(inverse);
+  __m512i total = _mm512_setzero_si512();
+  for (int c = 0; c < C; ++c) {
+    const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + c * 16), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + c * 16), _mm512_cvtepi32_epi8(code));
+    total = _mm512_add_epi32(total, code);
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+  return max / 127.f;
+}
+
+// Scores of one block's INT8 keys for a run of rows, by VNNI: per kv head, 16 slots at a time are transposed
+// so that one vpdpbusd adds 4 dimensions of all 16 slots' dot products (no horizontal sums), and the
+// transposed keys serve every row and head of the group. vpdpbusd multiplies unsigned by signed bytes: the
+// keys are offset by 128 (their sign bit flipped) and 128 x the query's code sum is taken off again, so the
+// integer dot product is exact; the score is it times the query's and the slot's scales.
+template <int G, int D, typename ScaleT>
+__attribute__((always_inline)) inline void score_block_vnni(
+    const int8_t* kb,  // [block_size, kv_heads, D] this block's keys
+    const ScaleT* kscale,  // [block_size, kv_heads]
+    const int8_t* qcodes, const float* qscales, const float* qsums,  // [rows, heads, D], [rows, heads] x 2
+    int64_t len, int64_t rows, int64_t t0, int64_t n_block, int64_t kv_heads, int64_t stride, float* s,
+    float* maxima) {
+  const int64_t heads = kv_heads * G, slot_elems = kv_heads * D;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+    for (int64_t u0 = 0; u0 < n_block; u0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n_block - u0);  // the run's last row reaches furthest
+      alignas(64) int32_t kt[D / 4][16];  // [4-byte group of the key row, slot]: codes + 128
+      for (int c = 0; c < D / 64; ++c) {
+        __m512i slots[16];
+        for (int64_t t = 0; t < 16; ++t)  // past the block's last slot: zeros, masked below
+          slots[t] = t < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + (u0 + t) * slot_elems + kvh * D + c * 64), flip)
+                           : _mm512_setzero_si512();
+        transpose16x16_epi32(slots);
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(kt[c * 16 + j], slots[j]);
+      }
+      alignas(64) float ks[16];
+      for (int64_t t = 0; t < 16; ++t) ks[t] = t < m ? to_float(kscale[(u0 + t) * kv_heads + kvh]) : 0.f;
+      const __m512 kscales = _mm512_load_ps(ks);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min<int64_t>(16, len + r - t0 - u0);  // this row's slots here
+        if (n <= 0) continue;
+        const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+        const int64_t first = r * heads + kvh * G;  // the group's first head in this row
+        __m512i even[G], odd[G];  // two chains a head, to hide vpdpbusd's latency
+        for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_si512();
+        for (int j = 0; j < D / 4; j += 2) {
+          const __m512i k0 = _mm512_load_si512(kt[j]), k1 = _mm512_load_si512(kt[j + 1]);
+          for (int g = 0; g < G; ++g) {
+            int32_t w0, w1;
+            std::memcpy(&w0, qcodes + (first + g) * D + 4 * j, 4);
+            std::memcpy(&w1, qcodes + (first + g) * D + 4 * j + 4, 4);
+            even[g] = _mm512_dpbusd_epi32(even[g], k0, _mm512_set1_epi32(w0));
+            odd[g] = _mm512_dpbusd_epi32(odd[g], k1, _mm512_set1_epi32(w1));
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          const int64_t h = first + g;
+          const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[g], odd[g])),
+                                           _mm512_set1_ps(qsums[h]));
+          const __m512 scores = _mm512_mul_ps(dot, _mm512_mul_ps(kscales, _mm512_set1_ps(qscales[h])));
+          _mm512_mask_storeu_ps(s + h * stride + t0 + u0, live, scores);
+          maxima[h] = std::max(maxima[h], _mm512_mask_reduce_max_ps(live, scores));
+        }
+      }
+    }
+}
+
 // One sequence, every head, for a run of `rows` query rows at consecutive positions (a decode row and the
 // draft tokens after it): row r attends to the first len + r slots. The cache is walked block by block,
 // and inside a block slot by slot with all kv heads of a slot side by side, so each block is read as one
@@ -208,12 +322,34 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
   for (int64_t b = 0; b < kPrefetchBlocks; ++b)
     prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
 
+  // INT8 keys are scored against INT8 queries with VNNI; the queries' codes, scales and code sums sit in
+  // acc_buffer until the value pass needs it ([rows, heads, D] codes, then [rows, heads] scales and sums)
+  constexpr bool kVnniKeys = std::is_same_v<CacheT, int8_t> && D % 64 == 0;
+  int8_t* qcodes = nullptr;
+  float *qscales = nullptr, *qsums = nullptr;
+  if constexpr (kVnniKeys) {
+    acc_buffer.resize(rows * row_elems);  // D floats a head: room for D codes and two floats
+    qcodes = reinterpret_cast<int8_t*>(acc_buffer.data());
+    qscales = acc_buffer.data() + rows * heads * D / 4;
+    qsums = qscales + rows * heads;
+    for (int64_t h = 0; h < rows * heads; ++h) {
+      int32_t sum;
+      qscales[h] = quantize_query<D>(q + h * D, qcodes + h * D, &sum);
+      qsums[h] = static_cast<float>(128 * sum);  // exact: |sum| <= 127 * D
+    }
+  }
+
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* kb = key_cache + block * block_elems;
     const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
+    if constexpr (kVnniKeys) {
+      score_block_vnni<G, D>(kb, kscale, qcodes, qscales, qsums, len, rows, t0, std::min(block_size, stride - t0),
+                             kv_heads, stride, s, maxima);
+      continue;
+    }
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = std::min(block_size, len + r - t0);

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kernels import cpu_decode_attention, paged_decode_attention
-from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.cpu_decode_attention import paged_decode_attention_cpu, scores_int8_queries
 from kernels.platform import active_tier
-from kernels.reference import paged_decode_attention_reference
+from kernels.reference import int8_query_reference, paged_decode_attention_reference
 from tests.kernels.helpers import DTYPE_PAIRS, assert_close, make_paged_kv
 
 BLOCK_SIZE = 8
@@ -45,6 +45,16 @@ def decode_args(
             torch.tensor(lens, dtype=torch.int32), head_dim**-0.5, kv.k_scale_cache, kv.v_scale_cache)  # fmt: skip
 
 
+def expected(args) -> torch.Tensor:
+    """The reference, with the query rounded to INT8 where the kernel scores INT8 keys against it."""
+    query, key_cache, scale = args[0], args[1], args[5]
+    if not scores_int8_queries(key_cache.dtype, query.shape[2], query.shape[1] // key_cache.shape[2]):
+        return paged_decode_attention_reference(*args)
+    rounded = list(args)
+    rounded[0], rounded[5] = int8_query_reference(query.float() * scale), 1.0  # the wrapper folds the scale in
+    return paged_decode_attention_reference(*rounded).to(query.dtype)  # rounded as the kernel's output is
+
+
 @pytest.mark.parametrize(("query_dtype", "cache_dtype"), DTYPE_PAIRS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2)], ids=["mha", "gqa3"])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
@@ -53,27 +63,37 @@ def test_matches_reference(query_dtype, cache_dtype, num_heads, num_kv_heads, sc
     args = decode_args(CONTEXT_LENS, num_heads, num_kv_heads, head_dim, cache_dtype, query_dtype, scale_dtype)
     out = paged_decode_attention_cpu(*args)
     assert out.dtype == query_dtype and out.shape == args[0].shape
-    expected = paged_decode_attention_reference(*args)
-    assert_close(out, expected)
-    assert_close(paged_decode_attention(*args), expected)  # the public function dispatches here on CPU
+    want = expected(args)
+    assert_close(out, want)
+    assert_close(paged_decode_attention(*args), want)  # the public function dispatches here on CPU
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_blocks_of_more_than_16_slots_and_a_zero_query_head(head_dim):
+    """The INT8 score pass takes a block 16 slots at a time (a 32-slot block is two such steps, a context may
+    end in either, at an odd slot or an even one); an all-zero query head rounds to zero codes and attends
+    uniformly."""
+    args = list(decode_args([5, 16, 17, 31, 32, 33, 70], 6, 2, head_dim, torch.int8, torch.float32, block_size=32))
+    args[0][1, 4] = 0.0
+    assert_close(paged_decode_attention_cpu(*args), expected(args))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 9])  # 9: past the compiled group sizes (portable loop)
 def test_group_sizes(group):
     args = decode_args(CONTEXT_LENS, 2 * group, 2, 64, torch.int8, torch.float32, torch.float16, seed=group)
-    assert_close(paged_decode_attention_cpu(*args), paged_decode_attention_reference(*args))
+    assert_close(paged_decode_attention_cpu(*args), expected(args))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_float16_cache(head_dim):
     args = decode_args(CONTEXT_LENS, 6, 2, head_dim, torch.float16, torch.float32)
-    assert_close(paged_decode_attention_cpu(*args), paged_decode_attention_reference(*args))
+    assert_close(paged_decode_attention_cpu(*args), expected(args))
 
 
 def test_many_sequences_of_mixed_length_land_in_their_rows():
     lens = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     args = decode_args(lens, 9, 3, 64, torch.int8, torch.bfloat16, torch.float16, block_size=16, seed=4)
-    assert_close(paged_decode_attention_cpu(*args), paged_decode_attention_reference(*args))
+    assert_close(paged_decode_attention_cpu(*args), expected(args))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -92,7 +112,7 @@ def test_sequences_split_by_work_across_threads(threads, lens):
         out = paged_decode_attention_cpu(*args)
     finally:
         torch.set_num_threads(before)
-    assert_close(out, paged_decode_attention_reference(*args))
+    assert_close(out, expected(args))
 
 
 def draft_run_args(run_lens: list[int], run_rows: list[int], cache_dtype: torch.dtype, seed: int):
@@ -121,7 +141,7 @@ def test_runs_of_draft_rows_match_rows_computed_alone(cache_dtype, run_lens, run
     does alone (speculation is lossless only if a draft row's attention is its decode row's attention)."""
     args = draft_run_args(run_lens, run_rows, cache_dtype, seed=sum(run_lens))
     together = paged_decode_attention_cpu(*args)
-    assert_close(together, paged_decode_attention_reference(*args))
+    assert_close(together, expected(args))
     for row in range(args[0].shape[0]):
         alone = list(args)
         alone[0], alone[3], alone[4] = args[0][row : row + 1], args[3][row : row + 1], args[4][row : row + 1]
@@ -135,7 +155,7 @@ def test_rows_with_the_same_table_but_not_consecutive_positions_stay_apart():
     args[0] = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(12))
     args[3] = args[3].repeat(3, 1)
     args[4] = torch.tensor([50, 50, 52], dtype=torch.int32)
-    assert_close(paged_decode_attention_cpu(*args), paged_decode_attention_reference(*args))
+    assert_close(paged_decode_attention_cpu(*args), expected(args))
 
 
 @pytest.mark.skipif(active_tier() == "generic", reason="only the SIMD paths prefetch")

@@ -21,10 +21,6 @@ from types import ModuleType
 import torch
 
 from kernels._cpu_build import build_extension
-from kernels.platform import active_tier
-
-INT8_QUERY_HEAD_DIMS = (64, 128)  # whole 64-byte key rows: what the VNNI score pass transposes
-MAX_COMPILED_GROUP = 8  # query heads per kv head with a compiled SIMD path (larger groups: portable loop)
 
 
 @functools.cache
@@ -39,14 +35,10 @@ def available() -> bool:
 
 def scores_int8_queries(cache_dtype: torch.dtype, head_dim: int, group: int) -> bool:
     """Whether this build scores INT8 keys against INT8 queries (kernels.reference.int8_query_reference):
-    the AVX-512 tier, which has VNNI, at head_dim 64 or 128 and a compiled group size. Elsewhere the
-    query stays float32."""
-    return (
-        cache_dtype == torch.int8
-        and active_tier() == "avx512"
-        and head_dim in INT8_QUERY_HEAD_DIMS
-        and group <= MAX_COMPILED_GROUP
-    )
+    the AVX-512 build, which has VNNI, at head_dim 64 or 128 and a compiled group size (the build says).
+    Elsewhere the query stays float32."""
+    extension = load_extension()
+    return cache_dtype == torch.int8 and extension is not None and extension.scores_int8_queries(head_dim, group)
 
 
 def paged_decode_attention_cpu(

@@ -240,6 +240,11 @@ inline float quantize_query(const float* q, int8_t* codes, int32_t* sum) {
   return max / 127.f;
 }
 
+// Whether the AVX-512 path scores an INT8 cache with VNNI at this head_dim (whole 64-byte key rows).
+constexpr bool vnni_key_rows(int64_t head_dim) { return head_dim % 64 == 0; }
+template <typename CacheT, int D>
+constexpr bool kVnniKeys = std::is_same_v<CacheT, int8_t> && vnni_key_rows(D);
+
 // Scores of one block's INT8 keys for a run of rows, by VNNI: per kv head, 16 slots at a time are transposed
 // so that one vpdpbusd adds 4 dimensions of all 16 slots' dot products (no horizontal sums), and the
 // transposed keys serve every row and head of the group. vpdpbusd multiplies unsigned by signed bytes: the
@@ -324,10 +329,9 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
 
   // INT8 keys are scored against INT8 queries with VNNI; the queries' codes, scales and code sums sit in
   // acc_buffer until the value pass needs it ([rows, heads, D] codes, then [rows, heads] scales and sums)
-  constexpr bool kVnniKeys = std::is_same_v<CacheT, int8_t> && D % 64 == 0;
   int8_t* qcodes = nullptr;
   float *qscales = nullptr, *qsums = nullptr;
-  if constexpr (kVnniKeys) {
+  if constexpr (kVnniKeys<CacheT, D>) {
     acc_buffer.resize(rows * row_elems);  // D floats a head: room for D codes and two floats
     qcodes = reinterpret_cast<int8_t*>(acc_buffer.data());
     qscales = acc_buffer.data() + rows * heads * D / 4;
@@ -345,7 +349,7 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
                               block_slots);
     const CacheT* kb = key_cache + block * block_elems;
     const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
-    if constexpr (kVnniKeys) {
+    if constexpr (kVnniKeys<CacheT, D>) {
       score_block_vnni<G, D>(kb, kscale, qcodes, qscales, qsums, len, rows, t0, std::min(block_size, stride - t0),
                              kv_heads, stride, s, maxima);
       continue;
@@ -748,6 +752,17 @@ void paged_decode_attention_cpu(torch::Tensor query, torch::Tensor key_cache, to
   });
 }
 
+// Whether this build scores an INT8 cache with VNNI against the query rounded to INT8 (the tests' reference
+// rounds it too): the AVX-512 path at a compiled (head_dim, group) with whole 64-byte key rows.
+bool scores_int8_queries(int64_t head_dim, int64_t group) {
+#if defined(FREIGHT_DECODE_AVX512)
+  return vnni_key_rows(head_dim) && pick_task<int8_t, float>(group, head_dim) != nullptr;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_cpu", &paged_decode_attention_cpu);
+  m.def("scores_int8_queries", &scores_int8_queries);
 }

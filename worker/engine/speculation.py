@@ -95,6 +95,24 @@ def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: in
     return lookup(array("i", tokens).tobytes(), k, max_ngram, min_ngram)
 
 
+def lookup_steps(prompt: list[int], output: list[int], k: int) -> int:
+    """The steps greedy decoding of `output` after `prompt` takes when every step feeds its lookup draft (up
+    to k tokens) and emits the draft's agreeing run plus one token: the fewest that prompt lookup can take
+    a sequence in (the engine's rule feeds fewer drafts, where they do not pay). scripts/spec_bench.py
+    replays a run's outputs with it to find what speculation could give that work at best."""
+    history = array("i", prompt)
+    steps = done = 0
+    while done < len(output):
+        draft = lookup(history.tobytes(), k)
+        agreed = 0
+        while agreed < len(draft) and done + agreed < len(output) and draft[agreed] == output[done + agreed]:
+            agreed += 1
+        history.extend(output[done : done + agreed + 1])
+        done += agreed + 1
+        steps += 1
+    return steps
+
+
 @dataclass
 class DraftState:
     """One sequence's drafting: its tokens as a search buffer, what its acceptance earned it, and the draft

@@ -27,6 +27,7 @@ from worker.engine.speculation import (
     DEFAULT_MAX_ROWS,
     DraftState,
     Speculator,
+    lookup_steps,
     propose,
 )
 from worker.engine.step_cost import StepCost
@@ -64,6 +65,21 @@ def test_a_byte_match_across_two_tokens_is_not_a_token_match() -> None:
     ) == 1
     assert propose([a, b, 7, t], k=2, min_ngram=1) == []
     assert propose([t, 9, a, b, 7, t], k=2, min_ngram=1) == [9, a]
+
+
+def test_lookup_steps_count_every_draft_fed_and_its_agreeing_run_plus_one() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    copied = [1, 2, 3, 4, 5, 6, 7, 8]  # the output repeats the prompt
+    # 1, 2 and 3 come one a step (no 3-token suffix occurs earlier); then the suffix 1, 2, 3 matches the
+    # prompt's start and its draft 4, 5, 6, 7 (k = 4) agrees: 4 to 7 plus the step's own token, 8
+    assert lookup_steps(prompt, copied, k=4) == 4
+    assert lookup_steps(prompt, copied, k=64) == 4
+    assert lookup_steps(prompt, copied, k=1) == 6  # then two tokens a step: 4 5 | 6 7 | 8
+    # a draft that disagrees still gives its step's token: 4 agrees, 99 is the step's own; then no match
+    assert lookup_steps(prompt, [1, 2, 3, 4, 99, 6], k=4) == 5
+    assert lookup_steps(prompt, [], k=4) == 0
+    # no prompt: a loop drafts itself once three tokens of it repeat
+    assert lookup_steps([], [5, 5, 5, 5, 5, 5], k=2) == 5
 
 
 def test_k_adapts_to_acceptance() -> None:

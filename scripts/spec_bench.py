@@ -32,7 +32,7 @@ import time
 import pyarrow.parquet as pq
 
 from jobs.domain.sample_docs import LONG_DOCUMENTS, SUMMARIZE_TEMPLATE, all_documents, long_document_text
-from jobs.domain.summarize_spec import DEFAULT_STYLE, TEXT_PLACEHOLDER, SummarizeSpec
+from jobs.domain.summarize_spec import DEFAULT_STYLE, SummarizeSpec
 from worker.bench.timed import timed_generate
 from worker.engine import LLM, SamplingParams
 from worker.engine.speculation import lookup_steps
@@ -42,10 +42,10 @@ DEFAULT_ROWS = {"sample": 24, "long": 16, "sharegpt": 256, "file": 0}  # file: e
 CEILING_K = (16,)  # draft lengths replayed beside the engine's num_speculative_tokens and unbounded drafts
 
 
-def summarize_prompts(llm: LLM, texts: list[str], template: str = SUMMARIZE_TEMPLATE) -> list[list[int]]:
+def summarize_prompts(llm: LLM, texts: list[str]) -> list[list[int]]:
     return [
         llm.encode(
-            llm.apply_chat_template([{"role": "user", "content": template.replace(TEXT_PLACEHOLDER, text)}]),
+            llm.apply_chat_template([{"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=text)}]),
             add_special_tokens=False,
         )
         for text in texts
@@ -130,7 +130,7 @@ def print_ceiling(off: dict, prompts: list[list[int]], k: int) -> None:
           f"off; decode steps cost {costs[min(costs)] * 1e3:.1f} ms ({min(costs)} running) to "
           f"{costs[max(costs)] * 1e3:.1f} ms ({max(costs)}); the model prices the decode phase at {plain:.2f} "
           f"s against {decode:.2f} s measured")  # fmt: skip
-    for draft_len in (k, *CEILING_K, max(len(o) for o in outputs)):
+    for draft_len in sorted({k, *CEILING_K, max(len(o) for o in outputs)}):  # the last: unbounded
         lookups = [lookup_steps(p, o, draft_len) for p, o in zip(prompts, outputs, strict=True)]
         best = seconds / (prefill + decode * phase(lookups) / plain)
         print(f"  every draft of up to {draft_len} tokens fed at no cost: {max(lookups)} steps for the slowest "

@@ -49,6 +49,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from worker.engine.verify import accept_greedy
+
 if TYPE_CHECKING:  # sequence.py holds a DraftState: these import this module
     from worker.engine.block_manager import BlockManager
     from worker.engine.scheduler import SchedulerOutput
@@ -97,18 +99,16 @@ def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: in
 
 def lookup_steps(prompt: list[int], output: list[int], k: int) -> int:
     """The steps greedy decoding of `output` after `prompt` takes when every step feeds its lookup draft (up
-    to k tokens) and emits the draft's agreeing run plus one token: the fewest that prompt lookup can take
-    a sequence in (the engine's rule feeds fewer drafts, where they do not pay). scripts/spec_bench.py
-    replays a run's outputs with it to find what speculation could give that work at best."""
-    history = array("i", prompt)
+    to k tokens) and keeps what greedy verification keeps: the fewest that prompt lookup can take a sequence
+    in (the engine's rule feeds fewer drafts, where they do not pay). scripts/spec_bench.py replays a run's
+    outputs with it to find what speculation could give that work at best."""
+    history = bytearray(array("i", prompt).tobytes())  # [num_tokens] int32, as DraftState keeps it
     steps = done = 0
     while done < len(output):
-        draft = lookup(history.tobytes(), k)
-        agreed = 0
-        while agreed < len(draft) and done + agreed < len(output) and draft[agreed] == output[done + agreed]:
-            agreed += 1
-        history.extend(output[done : done + agreed + 1])
-        done += agreed + 1
+        picks = output[done : done + k + 1]  # the model's greedy picks are the output itself
+        emitted = accept_greedy(lookup(history, k)[: len(picks) - 1], picks)
+        history += array("i", emitted).tobytes()
+        done += len(emitted)
         steps += 1
     return steps
 

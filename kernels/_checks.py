@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -107,3 +110,17 @@ def check_attention_heads(query: torch.Tensor, layout: PagedCacheLayout) -> int:
     if query.stride(-1) != 1:
         raise ValueError("query must be contiguous in its last dimension")
     return num_heads // layout.num_kv_heads
+
+
+def check_attention_options(window: int, soft_cap: float) -> tuple[int, float]:
+    """The attention ops' sliding window (an int >= 0; 0: none) and logit soft cap (a finite float >= 0;
+    0: none), returned as a Python int and float."""
+    # bool is an int: window=True is more likely a mistake than a window of 1
+    integral = not isinstance(window, bool) and hasattr(window, "__index__")
+    if not integral or operator.index(window) < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, numbers.Real) or not math.isfinite(soft_cap):
+        raise ValueError(f"soft_cap must be a finite float >= 0 (0: no soft cap), got {soft_cap!r}")
+    if soft_cap < 0:
+        raise ValueError(f"soft_cap must be a finite float >= 0 (0: no soft cap), got {soft_cap!r}")
+    return operator.index(window), float(soft_cap)

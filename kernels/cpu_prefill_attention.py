@@ -5,7 +5,9 @@ torch's CPU flash attention reaches about 50-100 GFLOP/s on these shapes (one ca
 64); the kernels run every chunk of the step in one parallel call, over the step's own keys and values
 with, for a chunk after a cached prefix, the prefix's keys and values in front (the caller gathers them).
 Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float32 with AVX2 + FMA
-(every x86 build tier from AVX2 up), each for head_dim 64 or 128. Everything else keeps the torch path.
+(every x86 build tier from AVX2 up), each for head_dim 64, 128 or 256. Everything else keeps the torch path.
+Both take a sliding window (each query sees its last `window` context rows, itself included) and
+attention-logit soft-capping (each score s becomes soft_cap * tanh(s / soft_cap)).
 Where the CPU has AMX (Sapphire Rapids and later) bfloat16 head_dim 64 runs on AMX tiles instead, 3-3.6x
 the AVX-512 BF16 kernel on a 2-core VM (amx_enabled(); platform.amx_allowed() can turn it off).
 On a 2-core Zen 3 (AVX2) the float32 kernel takes 15 prompts of 4,200 tokens in all (9 heads, 3 kv heads,
@@ -22,7 +24,7 @@ import torch
 from kernels._cpu_build import build_extension
 from kernels.platform import amx_allowed
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache
@@ -73,10 +75,14 @@ def prefill_attention_cpu(
     kv_starts: list[int] | None = None,  # first key row of each chunk's context (default: q_starts)
     kv_lens: list[int] | None = None,  # its context length >= q_len; its queries are the last q_len positions
     amx: bool | None = None,  # bfloat16 head_dim 64 on AMX tiles; None: where amx_enabled()
+    *,
+    window: int = 0,  # > 0: the query at context index i sees context rows j with i - window < j <= i
+    soft_cap: float = 0.0,  # > 0: each score s (scale applied) becomes soft_cap * tanh(s / soft_cap)
 ) -> None:
     """Causal attention of each chunk's queries over its context. Without kv_starts/kv_lens each chunk is
     its whole context (keys and values row-aligned with the queries); with them, a chunk's context may hold
-    a prefix (e.g. gathered from the paged cache) before the keys of its own queries."""
+    a prefix (e.g. gathered from the paged cache) before the keys of its own queries. With a window the
+    context may start anywhere at or before its first query's window (rows before it are never read)."""
     if not available(query.dtype):
         raise RuntimeError(f"no CPU prefill-attention kernel for {query.dtype} in this build")
     if (kv_starts is None) != (kv_lens is None):
@@ -97,10 +103,11 @@ def prefill_attention_cpu(
         scale,
         out,
     )
+    options = {"window": int(window), "soft_cap": float(soft_cap)}
     if query.dtype == torch.float32:
-        extension.prefill_attention_f32(*args)
+        extension.prefill_attention_f32(*args, **options)
         return
     use_amx = amx_enabled() if amx is None else amx
     if use_amx and not extension.available_amx():
         raise RuntimeError("AMX is not usable on this CPU")
-    extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64)
+    extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64, **options)

@@ -1,6 +1,11 @@
 """Plain, slow references of every op, written for obviousness; used only by tests.
 
 Attention is computed in float64, one query at a time, reading the cache slot by slot.
+
+Attention options (both ops): `window` W > 0 is a sliding window, the query at position p attending to keys
+p - W < k <= p (transformers' sliding_window_overlay); 0 is plain causal attention. `soft_cap` c > 0 caps
+each scaled score s to c * tanh(s / c) before masking and softmax (Gemma 2's attn_logit_softcapping); 0 is
+none. The reference reads no slot before a sequence's first visible key: those blocks may hold anything.
 """
 
 from __future__ import annotations
@@ -49,12 +54,12 @@ def write_kv_cache_reference(
 
 
 def _read_sequence(
-    cache: torch.Tensor, scale_cache: torch.Tensor | None, block_table: list[int], length: int
+    cache: torch.Tensor, scale_cache: torch.Tensor | None, block_table: list[int], start: int, end: int
 ) -> torch.Tensor:
-    """The first `length` slots of one sequence, dequantized: [length, num_kv_heads, head_dim] float64."""
+    """Slots start..end-1 of one sequence, dequantized: [end - start, num_kv_heads, head_dim] float64."""
     block_size = cache.shape[1]
     rows = []
-    for position in range(length):
+    for position in range(start, end):
         block, offset = block_table[position // block_size], position % block_size
         row = cache[block, offset].double()
         if scale_cache is not None:
@@ -63,15 +68,24 @@ def _read_sequence(
     return torch.stack(rows)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query position against keys[0:n]: query [num_heads, D], keys/values [n, num_kv_heads, D]."""
+def _attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, soft_cap: float = 0.0
+) -> torch.Tensor:
+    """One query position against its visible keys: query [num_heads, D], keys/values [n, num_kv_heads, D]."""
     group = query.shape[0] // keys.shape[1]
     out = torch.empty(query.shape, dtype=torch.float64)
     for head in range(query.shape[0]):
         kv_head = head // group
         scores = (keys[:, kv_head] @ query[head].double()) * scale  # [n]
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         out[head] = torch.softmax(scores, dim=0) @ values[:, kv_head]
     return out
+
+
+def first_visible_key(position: int, window: int) -> int:
+    """The first key position the query at `position` attends to."""
+    return max(0, position - window + 1) if window > 0 else 0
 
 
 def paged_prefill_attention_reference(
@@ -84,18 +98,24 @@ def paged_prefill_attention_reference(
     scale: float,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     out = torch.empty(query.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         table = block_tables[seq].tolist()
-        keys = _read_sequence(key_cache, k_scale_cache, table, seq_len)
-        values = _read_sequence(value_cache, v_scale_cache, table, seq_len)
         q_len = starts[seq + 1] - starts[seq]
+        if q_len == 0:
+            continue
+        first = first_visible_key(seq_len - q_len, window)  # the sequence's first query sees the most
+        keys = _read_sequence(key_cache, k_scale_cache, table, first, seq_len)  # positions first..seq_len-1
+        values = _read_sequence(value_cache, v_scale_cache, table, first, seq_len)
         for j in range(q_len):
-            position = seq_len - q_len + j  # attends to keys 0..position
+            position = seq_len - q_len + j  # attends to keys first_visible_key(position)..position
             token = starts[seq] + j
-            out[token] = _attend(query[token], keys[: position + 1], values[: position + 1], scale)
+            visible = slice(first_visible_key(position, window) - first, position + 1 - first)
+            out[token] = _attend(query[token], keys[visible], values[visible], scale, soft_cap)
     return out.to(query.dtype)
 
 
@@ -108,6 +128,8 @@ def paged_decode_attention_reference(
     scale: float,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode is prefill with one query per sequence, at its last position."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
@@ -121,6 +143,8 @@ def paged_decode_attention_reference(
         scale,
         k_scale_cache,
         v_scale_cache,
+        window,
+        soft_cap,
     )
 
 

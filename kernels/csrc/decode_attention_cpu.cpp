@@ -17,11 +17,20 @@
 // same work. AVX-512 keeps the group's queries and accumulators in its 32 zmm registers for the whole
 // sequence; AVX2's 16 ymm registers cannot (a group of 3 heads of 64 dims has 24 vectors of queries and 24
 // of accumulators), so it reads the queries as FMA memory operands from L1 and accumulates the values a
-// few 8-float chunks at a time.
+// few 8-float chunks at a time. head_dim 256 (Gemma 2 and 3) takes the same templates.
+//
+// Sliding-window attention (window W > 0): the row at position p = context - 1 attends only slots t with
+// p - W < t <= p. Every path walks just those slots, from the window's first block, masking the slots before
+// the window start inside it: blocks wholly before the window are never read (they are freed and reused by
+// other sequences, so they may hold anything) and a long context costs its window, not its length. Which
+// slots a row walks is computed once for all paths (first_slot). Soft-capping (Gemma 2) maps each score,
+// softmax scale applied, to cap * tanh(score / cap) before the softmax, in the same tier-independent code
+// on every path (soft_cap.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "balanced_parallel.h"
+#include "soft_cap.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,6 +53,12 @@ inline float to_float(T value) {
   return static_cast<float>(value);
 }
 
+// The first slot a row with `context` slots attends: context - window with a sliding window (window > 0),
+// else 0. The row attends slots [first_slot, context).
+inline int64_t first_slot(int64_t context, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, context - window) : 0;
+}
+
 // Where slot `pos` of kv head `kvh` of a sequence lives, in rows of head_dim elements.
 struct RowIndex {
   const int32_t* table;
@@ -54,18 +69,20 @@ struct RowIndex {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Portable path
+// Portable path: one (row, kv head), slots [begin, end).
 template <typename CacheT, typename ScaleT>
 void decode_task_generic(const float* q, const CacheT* key_cache, const CacheT* value_cache,
                          const ScaleT* key_scales, const ScaleT* value_scales, const RowIndex& rows,
-                         int64_t len, int64_t group, int64_t head_dim, std::vector<float>& scores,
-                         std::vector<float>& acc, std::vector<float>& row_buffer, float* out) {
-  scores.resize(group * len);
+                         int64_t begin, int64_t end, float soft_cap, int64_t group, int64_t head_dim,
+                         std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& row_buffer,
+                         float* out) {
+  const int64_t len = end - begin;
+  scores.resize(group * len);  // [group, len]: slot begin + t at column t
   acc.assign(group * head_dim, 0.f);
   row_buffer.resize(head_dim);
   float* row_f = row_buffer.data();
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t row = rows(t);
+    const int64_t row = rows(begin + t);
     const CacheT* k = key_cache + row * head_dim;
     const float ks = key_scales ? to_float(key_scales[row]) : 1.f;
 #pragma omp simd
@@ -81,7 +98,7 @@ void decode_task_generic(const float* q, const CacheT* key_cache, const CacheT* 
   std::vector<float> inv_sum(group);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * len;
-    const float mx = *std::max_element(s, s + len);
+    const float mx = soft_cap > 0.f ? freight::soft_cap_scores(s, len, soft_cap) : *std::max_element(s, s + len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
@@ -91,7 +108,7 @@ void decode_task_generic(const float* q, const CacheT* key_cache, const CacheT* 
     inv_sum[g] = 1.f / sum;
   }
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t row = rows(t);
+    const int64_t row = rows(begin + t);
     const CacheT* v = value_cache + row * head_dim;
     const float vs = value_scales ? to_float(value_scales[row]) : 1.f;
 #pragma omp simd
@@ -129,10 +146,23 @@ __attribute__((always_inline)) inline void prefetch_block_and_scales(const Cache
   if (scales) prefetch_bytes(scales + table[b] * block_slots, block_slots * sizeof(ScaleT));
 }
 
+// (q, key_cache, value_cache, key_scales, value_scales, table, len, rows, block_size, kv_heads, window,
+//  soft_cap, scores, acc_buffer, out): see decode_sequence_avx512
 template <typename CacheT, typename ScaleT>
 using SequenceFn = void (*)(const float*, const CacheT*, const CacheT*, const ScaleT*, const ScaleT*,
-                            const int32_t*, int64_t, int64_t, int64_t, int64_t, std::vector<float>&,
-                            std::vector<float>&, float*);
+                            const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                            std::vector<float>&, std::vector<float>&, float*);
+
+// Row r of a run (context len + r) attends slots [first_slot(len + r, window), len + r); the run's score rows
+// hold slots [first, last), first = the first row's first slot, last = the last row's context.
+struct RunSlots {
+  int64_t len, window, first, last;
+  RunSlots(int64_t len, int64_t rows, int64_t window)
+      : len(len), window(window), first(first_slot(len, window)), last(len + rows - 1) {}
+  int64_t begin(int64_t r) const { return first_slot(len + r, window); }
+  int64_t end(int64_t r) const { return len + r; }
+  int64_t stride() const { return last - first; }  // of the score rows
+};
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -249,18 +279,20 @@ constexpr bool kVnniKeys = std::is_same_v<CacheT, int8_t> && vnni_key_rows(D);
 // so that one vpdpbusd adds 4 dimensions of all 16 slots' dot products (no horizontal sums), and the
 // transposed keys serve every row and head of the group. vpdpbusd multiplies unsigned by signed bytes: the
 // keys are offset by 128 (their sign bit flipped) and 128 x the query's code sum is taken off again, so the
-// integer dot product is exact; the score is it times the query's and the slot's scales.
+// integer dot product is exact; the score is it times the query's and the slot's scales. Slots of the block
+// before `u_begin` (before the run's first slot) are never read; each row's lanes are masked to its slots.
 template <int G, int D, typename ScaleT>
 __attribute__((always_inline)) inline void score_block_vnni(
     const int8_t* kb,  // [block_size, kv_heads, D] this block's keys
     const ScaleT* kscale,  // [block_size, kv_heads]
     const int8_t* qcodes, const float* qscales, const float* qsums,  // [rows, heads, D], [rows, heads] x 2
-    int64_t len, int64_t rows, int64_t t0, int64_t n_block, int64_t kv_heads, int64_t stride, float* s,
+    const RunSlots& run, int64_t rows, int64_t t0, int64_t u_begin, int64_t n_block, int64_t kv_heads,
+    float* s,  // [rows, heads, run.stride()]
     float* maxima) {
-  const int64_t heads = kv_heads * G, slot_elems = kv_heads * D;
+  const int64_t heads = kv_heads * G, slot_elems = kv_heads * D, stride = run.stride();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-    for (int64_t u0 = 0; u0 < n_block; u0 += 16) {
+    for (int64_t u0 = u_begin; u0 < n_block; u0 += 16) {
       const int64_t m = std::min<int64_t>(16, n_block - u0);  // the run's last row reaches furthest
       alignas(64) int32_t kt[D / 4][16];  // [4-byte group of the key row, slot]: codes + 128
       for (int c = 0; c < D / 64; ++c) {
@@ -275,9 +307,11 @@ __attribute__((always_inline)) inline void score_block_vnni(
       for (int64_t t = 0; t < 16; ++t) ks[t] = t < m ? to_float(kscale[(u0 + t) * kv_heads + kvh]) : 0.f;
       const __m512 kscales = _mm512_load_ps(ks);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min<int64_t>(16, len + r - t0 - u0);  // this row's slots here
-        if (n <= 0) continue;
-        const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+        // this row's lanes here: [lo, n)
+        const int64_t n = std::min<int64_t>(16, run.end(r) - t0 - u0);
+        const int64_t lo = std::max<int64_t>(0, run.begin(r) - t0 - u0);
+        if (n <= lo) continue;
+        const __mmask16 live = __mmask16(((1u << n) - 1) & ~((1u << lo) - 1));
         const int64_t first = r * heads + kvh * G;  // the group's first head in this row
         __m512i even[G], odd[G];  // two chains a head, to hide vpdpbusd's latency
         for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_si512();
@@ -296,7 +330,7 @@ __attribute__((always_inline)) inline void score_block_vnni(
           const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[g], odd[g])),
                                            _mm512_set1_ps(qsums[h]));
           const __m512 scores = _mm512_mul_ps(dot, _mm512_mul_ps(kscales, _mm512_set1_ps(qscales[h])));
-          _mm512_mask_storeu_ps(s + h * stride + t0 + u0, live, scores);
+          _mm512_mask_storeu_ps(s + h * stride + (t0 + u0 - run.first), live, scores);
           maxima[h] = std::max(maxima[h], _mm512_mask_reduce_max_ps(live, scores));
         }
       }
@@ -304,27 +338,30 @@ __attribute__((always_inline)) inline void score_block_vnni(
 }
 
 // One sequence, every head, for a run of `rows` query rows at consecutive positions (a decode row and the
-// draft tokens after it): row r attends to the first len + r slots. The cache is walked block by block,
-// and inside a block slot by slot with all kv heads of a slot side by side, so each block is read as one
-// contiguous stretch, once for all rows; the next block is prefetched while this one is used (blocks sit
-// anywhere in the pool). Each row does exactly the arithmetic it would do alone.
+// draft tokens after it): row r attends to slots [first_slot(len + r, window), len + r) (RunSlots). The cache is
+// walked block by block from the block of the run's first slot, and inside a block slot by slot with all kv
+// heads of a slot side by side, so each block is read as one contiguous stretch, once for all rows; the next
+// block is prefetched while this one is used (blocks sit anywhere in the pool). Each row does exactly the
+// arithmetic it would do alone. soft_cap > 0 caps the scores (soft_cap.h).
 template <int G, int D, typename CacheT, typename ScaleT>
 void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
                             const CacheT* key_cache, const CacheT* value_cache, const ScaleT* key_scales,
                             const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t rows,
-                            int64_t block_size, int64_t kv_heads, std::vector<float>& scores,
-                            std::vector<float>& acc_buffer, float* out) {  // [rows, kv_heads * G, D]
+                            int64_t block_size, int64_t kv_heads, int64_t window, float soft_cap,
+                            std::vector<float>& scores, std::vector<float>& acc_buffer,
+                            float* out) {  // [rows, kv_heads * G, D]
   constexpr int C = D / 16;  // 16-float chunks per row
   const int64_t heads = kv_heads * G, row_elems = heads * D;
   const int64_t slot_elems = kv_heads * D, block_elems = block_size * slot_elems;
-  const int64_t stride = len + rows - 1;  // the last row's context: the score rows' stride
-  const int64_t num_blocks = (stride + block_size - 1) / block_size;
+  const RunSlots slots(len, rows, window);
+  const int64_t stride = slots.stride();  // score column j: slot slots.first + j
+  const int64_t first_block = slots.first / block_size, num_blocks = (slots.last + block_size - 1) / block_size;
   scores.resize(rows * heads * (stride + 1));
   float* s = scores.data();                     // [rows, heads, stride]
   float* maxima = s + rows * heads * stride;    // [rows, heads]
   for (int64_t h = 0; h < rows * heads; ++h) maxima[h] = -INFINITY;
   const int64_t block_slots = block_size * kv_heads;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b)
     prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
 
   // INT8 keys are scored against INT8 queries with VNNI; the queries' codes, scales and code sums sit in
@@ -343,30 +380,34 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
     }
   }
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
     const CacheT* kb = key_cache + block * block_elems;
     const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
     if constexpr (kVnniKeys<CacheT, D>) {
-      score_block_vnni<G, D>(kb, kscale, qcodes, qscales, qsums, len, rows, t0, std::min(block_size, stride - t0),
-                             kv_heads, stride, s, maxima);
+      score_block_vnni<G, D>(kb, kscale, qcodes, qscales, qsums, slots, rows, t0,
+                             std::max<int64_t>(0, slots.first - t0), std::min(block_size, slots.last - t0),
+                             kv_heads, s, maxima);
       continue;
     }
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(block_size, len + r - t0);
-        if (n <= 0) continue;  // this row's context ends before the block
+        // this row's slots in the block: [lo, n)
+        const int64_t n = std::min(block_size, slots.end(r) - t0);
+        const int64_t lo = std::max<int64_t>(0, slots.begin(r) - t0);
+        if (n <= lo) continue;  // the row's slots end before the block or start after it
         const float* qr = q + r * row_elems;
         float* sr = s + r * heads * stride;
+        const int64_t col = t0 - slots.first;  // score column of the block's slot 0 (col + lo >= 0)
         float* mr = maxima + r * heads;
         __m512 qv[G][C];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) qv[g][c] = load16(qr + (kvh * G + g) * D + c * 16);
         // 16 slots at a time: each (slot, head) dot product is left as 16 partial sums, and the 16 slots'
         // partials are reduced together by one transposing tree (a horizontal sum per dot costs 3x more)
-        for (int64_t u0 = 0; u0 < n; u0 += 16) {
+        for (int64_t u0 = lo; u0 < n; u0 += 16) {
           const int64_t m = std::min<int64_t>(16, n - u0);
           const __mmask16 live = m == 16 ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
           alignas(64) float partial[G][16][16];
@@ -389,24 +430,28 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
           const __m512 scales = _mm512_load_ps(ks);
           for (int g = 0; g < G; ++g) {
             const __m512 scores = _mm512_mul_ps(sum_rows16(partial[g]), scales);
-            _mm512_mask_storeu_ps(sr + (kvh * G + g) * stride + t0 + u0, live, scores);
+            _mm512_mask_storeu_ps(sr + (kvh * G + g) * stride + (col + u0), live, scores);
             mr[kvh * G + g] = std::max(mr[kvh * G + g], _mm512_mask_reduce_max_ps(live, scores));
           }
         }
       }
   }
 
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b)
     prefetch_block_and_scales(value_cache, value_scales, table, b, num_blocks, block_elems, block_slots);
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t lo = slots.begin(r), n = slots.end(r) - lo;
     for (int64_t h = 0; h < heads; ++h) {
+      float* row = s + (r * heads + h) * stride + lo - slots.first;
       float* mh = maxima + r * heads + h;
-      *mh = softmax_numerators(s + (r * heads + h) * stride, len + r, *mh);  // from here on: 1 / the sum
+      if (soft_cap > 0.f) *mh = freight::soft_cap_scores(row, n, soft_cap);
+      *mh = softmax_numerators(row, n, *mh);  // from here on: 1 / the sum
     }
+  }
 
   acc_buffer.assign(rows * row_elems, 0.f);
   float* acc_all = acc_buffer.data();  // [rows, heads, D]
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
@@ -414,20 +459,22 @@ void decode_sequence_avx512(const float* q,  // [rows, kv_heads * G, D]
     const ScaleT* vscale = value_scales ? value_scales + block * block_slots : nullptr;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(block_size, len + r - t0);
-        if (n <= 0) continue;
+        const int64_t n = std::min(block_size, slots.end(r) - t0);
+        const int64_t lo = std::max<int64_t>(0, slots.begin(r) - t0);
+        if (n <= lo) continue;
         const float* sr = s + r * heads * stride;
+        const int64_t col = t0 - slots.first;  // score column of the block's slot 0 (col + lo >= 0)
         float* acc_group = acc_all + r * row_elems + kvh * G * D;
         __m512 acc[G][C];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_group + g * D + c * 16);
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = lo; t < n; ++t) {
           const CacheT* v = vb + t * slot_elems + kvh * D;
           __m512 vv[C];
           for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
           const float vs = vscale ? to_float(vscale[t * kv_heads + kvh]) : 1.f;
           for (int g = 0; g < G; ++g) {
-            const __m512 w = _mm512_set1_ps(sr[(kvh * G + g) * stride + t0 + t] * vs);
+            const __m512 w = _mm512_set1_ps(sr[(kvh * G + g) * stride + (col + t)] * vs);
             for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
           }
         }
@@ -556,21 +603,23 @@ template <int G, int D, typename CacheT, typename ScaleT>
 void decode_sequence_avx2(const float* q,  // [rows, kv_heads * G, D]
                           const CacheT* key_cache, const CacheT* value_cache, const ScaleT* key_scales,
                           const ScaleT* value_scales, const int32_t* table, int64_t len, int64_t rows,
-                          int64_t block_size, int64_t kv_heads, std::vector<float>& scores,
-                          std::vector<float>& acc_buffer, float* out) {  // [rows, kv_heads * G, D]
+                          int64_t block_size, int64_t kv_heads, int64_t window, float soft_cap,
+                          std::vector<float>& scores, std::vector<float>& acc_buffer,
+                          float* out) {  // [rows, kv_heads * G, D]
   constexpr int TT = score_slots_per_step(G);
   const int64_t heads = kv_heads * G, row_elems = heads * D;
   const int64_t slot_elems = kv_heads * D, block_elems = block_size * slot_elems;
   const int64_t block_slots = block_size * kv_heads;
-  const int64_t stride = len + rows - 1;  // the last row's context: the score rows' stride
-  const int64_t num_blocks = (stride + block_size - 1) / block_size;
+  const RunSlots slots(len, rows, window);
+  const int64_t stride = slots.stride();  // score column j: slot slots.first + j
+  const int64_t first_block = slots.first / block_size, num_blocks = (slots.last + block_size - 1) / block_size;
   scores.resize(rows * heads * (stride + 1));
   float* s = scores.data();                   // [rows, heads, stride]
   float* inv_sum = s + rows * heads * stride;  // [rows, heads]
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b)
     prefetch_block_and_scales(key_cache, key_scales, table, b, num_blocks, block_elems, block_slots);
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(key_cache, key_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
@@ -578,30 +627,38 @@ void decode_sequence_avx2(const float* q,  // [rows, kv_heads * G, D]
     const ScaleT* kscale = key_scales ? key_scales + block * block_slots : nullptr;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(block_size, len + r - t0);
-        if (n <= 0) continue;  // this row's context ends before the block
+        // this row's slots in the block: [lo, n)
+        const int64_t n = std::min(block_size, slots.end(r) - t0);
+        const int64_t lo = std::max<int64_t>(0, slots.begin(r) - t0);
+        if (n <= lo) continue;  // the row's slots end before the block or start after it
         const float* qh = q + r * row_elems + kvh * G * D;
-        float* sh = s + (r * heads + kvh * G) * stride + t0;
+        float* sh = s + (r * heads + kvh * G) * stride;
+        const int64_t col = t0 - slots.first;  // score column of the block's slot 0 (col + lo >= 0)
         const ScaleT* ks = kscale ? kscale + kvh : nullptr;
-        int64_t t = 0;
+        int64_t t = lo;
         for (; t + TT <= n; t += TT)
           score_slots<G, D, TT>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
-                                kv_heads, sh + t, stride);
+                                kv_heads, sh + (col + t), stride);
         for (; t < n; ++t)
           score_slots<G, D, 1>(qh, kb + t * slot_elems + kvh * D, slot_elems, ks ? ks + t * kv_heads : nullptr,
-                               kv_heads, sh + t, stride);
+                               kv_heads, sh + (col + t), stride);
       }
   }
 
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b)
     prefetch_block_and_scales(value_cache, value_scales, table, b, num_blocks, block_elems, block_slots);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < heads; ++h)
-      inv_sum[r * heads + h] = softmax_numerators(s + (r * heads + h) * stride, len + r);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t lo = slots.begin(r), n = slots.end(r) - lo;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = s + (r * heads + h) * stride + lo - slots.first;
+      if (soft_cap > 0.f) freight::soft_cap_scores(row, n, soft_cap);
+      inv_sum[r * heads + h] = softmax_numerators(row, n);
+    }
+  }
 
   acc_buffer.assign(rows * row_elems, 0.f);
   float* acc_all = acc_buffer.data();  // [rows, heads, D]
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b], t0 = b * block_size;
     prefetch_block_and_scales(value_cache, value_scales, table, b + kPrefetchBlocks, num_blocks, block_elems,
                               block_slots);
@@ -609,15 +666,17 @@ void decode_sequence_avx2(const float* q,  // [rows, kv_heads * G, D]
     const ScaleT* vscale = value_scales ? value_scales + block * block_slots : nullptr;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(block_size, len + r - t0);
-        if (n <= 0) continue;
-        float* sh = s + (r * heads + kvh * G) * stride + t0;
+        const int64_t n = std::min(block_size, slots.end(r) - t0);
+        const int64_t lo = std::max<int64_t>(0, slots.begin(r) - t0);
+        if (n <= lo) continue;
+        float* sh = s + (r * heads + kvh * G) * stride + (t0 + lo - slots.first);  // the row's first slot here
         if (vscale)  // the weights take the value scales: each weight is used once
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = lo; t < n; ++t) {
             const float vs = to_float(vscale[t * kv_heads + kvh]);
-            for (int g = 0; g < G; ++g) sh[g * stride + t] *= vs;
+            for (int g = 0; g < G; ++g) sh[g * stride + (t - lo)] *= vs;
           }
-        accumulate_values<G, D>(sh, stride, vb + kvh * D, slot_elems, n, acc_all + r * row_elems + kvh * G * D);
+        accumulate_values<G, D>(sh, stride, vb + lo * slot_elems + kvh * D, slot_elems, n - lo,
+                                acc_all + r * row_elems + kvh * G * D);
       }
   }
   for (int64_t h = 0; h < rows * heads; ++h) {
@@ -654,6 +713,7 @@ SequenceFn<CacheT, ScaleT> pick_task(int64_t group, int64_t head_dim) {
     case 32: return pick_group<32, CacheT, ScaleT>(group);
     case 64: return pick_group<64, CacheT, ScaleT>(group);
     case 128: return pick_group<128, CacheT, ScaleT>(group);
+    case 256: return pick_group<256, CacheT, ScaleT>(group);
     default: return nullptr;
   }
 }
@@ -669,8 +729,12 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
                       const int32_t* context_lens,  // [num_seqs]
                       float* out,                   // [num_seqs, num_heads, head_dim]
                       int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, int64_t max_blocks) {
+                      int64_t block_size, int64_t max_blocks, int64_t window, float soft_cap) {
   const int64_t group = num_heads / kv_heads;
+  // a row costs the slots it attends plus a fixed part (queries, softmax, output) worth a few dozen slots
+  const auto slots_of = [&](int64_t row) {
+    return context_lens[row] - first_slot(context_lens[row], window) + 32;
+  };
 #if defined(FREIGHT_DECODE_AVX512) || defined(FREIGHT_DECODE_AVX2)
   const SequenceFn<CacheT, ScaleT> fast = pick_task<CacheT, ScaleT>(group, head_dim);
   if (fast) {
@@ -683,50 +747,57 @@ void decode_attention(const float* query,  // [num_seqs, num_heads, head_dim], s
       return context_lens[row] == context_lens[row - 1] + 1 &&
              std::memcmp(block_tables + row * max_blocks, block_tables + (row - 1) * max_blocks, table_bytes) == 0;
     };
-    // a row costs its context plus a fixed part (queries, softmax, output) worth a few dozen slots
-    const auto cost = [&](int64_t row) { return context_lens[row] + 32; };
-    freight::parallel_for_balanced(num_seqs, cost, [&](int64_t begin, int64_t end) {
+    freight::parallel_for_balanced(num_seqs, slots_of, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
       for (int64_t first = begin, last; first < end; first = last) {
         for (last = first + 1; last < end && continues(last);) ++last;
         const int64_t offset = first * num_heads * head_dim;
         fast(query + offset, key_cache, value_cache, key_scales, value_scales, block_tables + first * max_blocks,
-             context_lens[first], last - first, block_size, kv_heads, scores, acc, out + offset);
+             context_lens[first], last - first, block_size, kv_heads, window, soft_cap, scores, acc,
+             out + offset);
       }
     });
     return;
   }
 #endif
-  const auto cost = [&](int64_t task) { return context_lens[task / kv_heads] + 32; };
+  const auto cost = [&](int64_t task) { return slots_of(task / kv_heads); };
   freight::parallel_for_balanced(num_seqs * kv_heads, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, row_buffer;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / kv_heads, kvh = task % kv_heads;
+      const int64_t seq = task / kv_heads, kvh = task % kv_heads, len = context_lens[seq];
       const RowIndex rows{block_tables + seq * max_blocks, block_size, kv_heads, kvh};
       const int64_t offset = (seq * num_heads + kvh * group) * head_dim;
       decode_task_generic(query + offset, key_cache, value_cache, key_scales, value_scales, rows,
-                          context_lens[seq], group, head_dim, scores, acc, row_buffer, out + offset);
+                          first_slot(len, window), len, soft_cap, group, head_dim, scores, acc, row_buffer,
+                          out + offset);
     }
   });
 }
 
 template <typename CacheT, typename ScaleT>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const ScaleT* ks,
-         const ScaleT* vs, const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out) {
+         const ScaleT* vs, const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out, int64_t window,
+         float soft_cap) {
   decode_attention<CacheT, ScaleT>(q.data_ptr<float>(), kc.data_ptr<CacheT>(), vc.data_ptr<CacheT>(), ks, vs,
                                    bt.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), out.data_ptr<float>(),
-                                   q.size(0), q.size(1), kc.size(2), kc.size(3), kc.size(1), bt.size(1));
+                                   q.size(0), q.size(1), kc.size(2), kc.size(3), kc.size(1), bt.size(1), window,
+                                   soft_cap);
 }
 
 }  // namespace
 
 // query and out float32 [S, H, D] (scale folded into query); caches contiguous; block_tables and
-// context_lens int32.
+// context_lens int32. window: 0, or the slots a row attends (sliding window, the row's own included);
+// soft_cap: 0, or c > 0 for scores c * tanh(score / c).
 void paged_decode_attention_cpu(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 c10::optional<torch::Tensor> key_scales,
                                 c10::optional<torch::Tensor> value_scales, torch::Tensor block_tables,
-                                torch::Tensor context_lens, torch::Tensor out) {
+                                torch::Tensor context_lens, torch::Tensor out, int64_t window, double soft_cap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "query and out: float32");
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(soft_cap >= 0.0 && std::isfinite(soft_cap), "soft_cap must be finite and >= 0 (0: none), got ",
+                    soft_cap);
+  const float cap = static_cast<float>(soft_cap);
   // here rather than in Python: two reductions and two syncs per layer were a tenth of a one-row step
   const int64_t width = block_tables.size(1) * key_cache.size(1);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -739,16 +810,17 @@ void paged_decode_attention_cpu(torch::Tensor query, torch::Tensor key_cache, to
     const auto& vs = *value_scales;
     if (ks.scalar_type() == at::kHalf) {
       run<int8_t, at::Half>(query, key_cache, value_cache, ks.data_ptr<at::Half>(), vs.data_ptr<at::Half>(),
-                            block_tables, context_lens, out);
+                            block_tables, context_lens, out, window, cap);
     } else {
       TORCH_CHECK(ks.scalar_type() == at::kFloat, "scales must be float16 or float32");
       run<int8_t, float>(query, key_cache, value_cache, ks.data_ptr<float>(), vs.data_ptr<float>(), block_tables,
-                         context_lens, out);
+                         context_lens, out, window, cap);
     }
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "decode_cache", [&] {
-    run<scalar_t, float>(query, key_cache, value_cache, nullptr, nullptr, block_tables, context_lens, out);
+    run<scalar_t, float>(query, key_cache, value_cache, nullptr, nullptr, block_tables, context_lens, out, window,
+                         cap);
   });
 }
 
@@ -763,6 +835,8 @@ bool scores_int8_queries(int64_t head_dim, int64_t group) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention_cpu", &paged_decode_attention_cpu);
+  m.def("paged_decode_attention_cpu", &paged_decode_attention_cpu, py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("key_scales"), py::arg("value_scales"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("out"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
   m.def("scores_int8_queries", &scores_int8_queries);
 }

@@ -14,11 +14,20 @@
 // The float32 kernel repacks only the keys (see its section).
 // On CPUs with AMX (Sapphire Rapids and later), head_dim 64 runs the same packed layouts through AMX tiles
 // (tdpbf16ps: a 16 x 32 by 32 x 16 bf16 product per instruction, 8x vdpbf16ps's work); see its section.
+// head_dim 64, 128 and 256 (Gemma 2 and 3).
+//
+// Sliding-window attention (window W > 0): the query at context index i sees keys j with i - W < j <= i. Each
+// chunk's context is first cut to the keys its first query can see (trim_to_window: nothing before is read or
+// packed), each task starts its key walk at the tile of its rows' first visible key, and tiles reaching
+// before a row's window are masked like the causal diagonal. Soft-capping (Gemma 2) maps each score, softmax
+// scale applied, to cap * tanh(score / cap) before masking (Scoring, soft_cap.h): the same arithmetic in every
+// kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "amx.h"
 #include "balanced_parallel.h"
+#include "soft_cap.h"
 
 #include <algorithm>
 #include <cmath>
@@ -47,14 +56,53 @@ struct Chunks {
   int64_t num;
 };
 
+// Which keys a row sees and how its raw scores s = q . k become the base-2 logits the kernels' softmax takes:
+// s x scale x log2(e), or with a soft cap c, c x tanh(s x scale / c) x log2(e).
+struct Scoring {
+  float scale_log2;       // softmax scale x log2(e)
+  float cap_in, cap_out;  // with a soft cap c: scale / c and c x log2(e); cap_in = 0: no cap
+  int64_t window;         // sliding window: a row at position p sees keys [p - window + 1, p]; 0: [0, p]
+
+  Scoring(double scale, double cap, int64_t window)
+      : scale_log2(float(scale * 1.4426950408889634)),
+        cap_in(cap > 0 ? float(scale / cap) : 0.f),
+        cap_out(cap > 0 ? float(cap * 1.4426950408889634) : 0.f),
+        window(window) {}
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  bool capped() const { return cap_in > 0.f; }
+  // Logits of raw scores (float or a SIMD vector of them).
+  template <typename V>
+  V logits(V s) const {
+    return capped() ? freight::tanh_rational(s * cap_in) * cap_out : s * scale_log2;
+  }
+  // For a kernel that folds query_scale() into its queries: logits of those scores.
+  float query_scale() const { return capped() ? cap_in : scale_log2; }
+  template <typename V>
+  V logits_of_folded(V s) const {
+    return capped() ? freight::tanh_rational(s) * cap_out : s;
+  }
+};
+
 // Keys attended by task `task` of the loops below (sequence s, kv head, R rows starting at row `first` of
-// its position-major rows): R rows at about position prefix + (first + R / 2) / G each, plus a fixed part.
+// its position-major rows): R rows at about position prefix + (first + R / 2) / G each, at most the window,
+// plus a fixed part.
 inline int64_t task_cost(int64_t task, const std::vector<int64_t>& task_start, const Chunks& chunks, int64_t G,
-                         int64_t R) {
+                         int64_t R, int64_t window) {
   const int64_t s = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
   const int64_t rows_total = chunks.q_len[s] * G, blocks = (rows_total + R - 1) / R;
   const int64_t first = ((task - task_start[s]) % blocks) * R;
-  return R * (chunks.kv_len[s] - chunks.q_len[s] + (first + R / 2) / G + 16);
+  const int64_t pos = chunks.kv_len[s] - chunks.q_len[s] + (first + R / 2) / G;
+  return R * ((window > 0 ? std::min(pos + 1, window) : pos) + 16);
+}
+
+// The first key of a task's R rows (positions pos[0, rows)) and their last position.
+inline void key_range(const int64_t* pos, int rows, const Scoring& scoring, int64_t& first, int64_t& last) {
+  first = INT64_MAX;
+  last = 0;
+  for (int r = 0; r < rows; ++r) {
+    first = std::min(first, scoring.first_key(pos[r]));
+    last = std::max(last, pos[r]);
+  }
 }
 
 #ifdef FREIGHT_PREFILL_BF16
@@ -84,17 +132,21 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t len, 
   }
 }
 
-// The masks of a 32-key tile starting at key0 for a row at position pos (causal; also hides padding).
-inline void tile_masks(int64_t pos, int64_t key0, __mmask16& m0, __mmask16& m1) {
-  const int64_t visible = std::min<int64_t>(kTile, std::max<int64_t>(0, pos - key0 + 1));
-  m0 = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
-  m1 = visible >= 32 ? __mmask16(0xFFFF) : (visible <= 16 ? __mmask16(0) : __mmask16((1u << (visible - 16)) - 1));
+// The masks of a 32-key tile starting at key0 for a row that sees keys [first, pos] (causal, and the sliding
+// window when first > 0; also hides the padding past the context).
+inline void tile_masks(int64_t first, int64_t pos, int64_t key0, __mmask16& m0, __mmask16& m1) {
+  const int64_t end = std::min<int64_t>(kTile, std::max<int64_t>(0, pos - key0 + 1));  // lanes [begin, end)
+  const int64_t begin = std::min<int64_t>(kTile, std::max<int64_t>(0, first - key0));
+  const uint64_t lanes = ((uint64_t{1} << end) - 1) & ~((uint64_t{1} << begin) - 1);
+  m0 = __mmask16(lanes & 0xFFFF);
+  m1 = __mmask16(lanes >> 16);
 }
 
-// R query rows (row r of the block: position pos[r], pointer q_rows[r]) against keys [0, max pos].
+// R query rows (row r of the block: position pos[r], pointer q_rows[r]) against the keys they see, from the
+// tile of the first.
 template <int D, int R>
 void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, const uint32_t* kp,
-                 const uint32_t* vp, float scale_log2, uint16_t* const* out_rows) {
+                 const uint32_t* vp, const Scoring& scoring, uint16_t* const* out_rows) {
   constexpr int C = D / 16;  // output chunks of 16 floats
   __m512 o[R][C];
   float m[R], l[R];
@@ -106,11 +158,11 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
     if (r < rows) std::memcpy(qpair[r], q_rows[r], D * sizeof(uint16_t));
     else std::memset(qpair[r], 0, sizeof(qpair[r]));
   }
-  int64_t last = 0;
-  for (int r = 0; r < rows; ++r) last = std::max(last, pos[r]);
+  int64_t first, last;
+  key_range(pos, rows, scoring, first, last);
   const int64_t tiles = last / kTile + 1;
   alignas(64) uint16_t probs[R][kTile];
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  for (int64_t tile = first / kTile; tile < tiles; ++tile) {
     const uint32_t* kt = kp + tile * (D / 2) * kTile;
     __m512 s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -126,13 +178,12 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
     const int64_t key0 = tile * kTile;
     for (int r = 0; r < R; ++r) {
       __mmask16 m0, m1;
-      tile_masks(pos[r], key0, m0, m1);
-      const __m512 scale = _mm512_set1_ps(scale_log2);
-      const __m512 x0 = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), m0, s[r][0], scale);
-      const __m512 x1 = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), m1, s[r][1], scale);
+      tile_masks(scoring.first_key(pos[r]), pos[r], key0, m0, m1);
+      const __m512 x0 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m0, scoring.logits(s[r][0]));
+      const __m512 x1 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m1, scoring.logits(s[r][1]));
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
       const __m512 mv = _mm512_set1_ps(m_new);
-      // base-2 exponentials: scale_log2 carries log2(e)
+      // base-2 exponentials: the logits carry log2(e)
       const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_16(_mm512_sub_ps(x0, mv)));
       const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_16(_mm512_sub_ps(x1, mv)));
       const float alpha = std::exp2(m[r] - m_new);
@@ -164,12 +215,12 @@ void attend_rows(const uint16_t* const* q_rows, const int64_t* pos, int rows, co
 }
 
 // One task's rows: R query rows of one (sequence, kv head) against its packed keys and values.
-using AttendRows = void (*)(const uint16_t* const*, const int64_t*, int, const uint32_t*, const uint32_t*, float,
-                            uint16_t* const*);
+using AttendRows = void (*)(const uint16_t* const*, const int64_t*, int, const uint32_t*, const uint32_t*,
+                            const Scoring&, uint16_t* const*);
 
 template <int D, int R>
 void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chunks& chunks, int64_t H, int64_t KVH,
-             float scale, uint16_t* out, AttendRows attend, void (*begin_range)() = nullptr,
+             const Scoring& scoring, uint16_t* out, AttendRows attend, void (*begin_range)() = nullptr,
              void (*end_range)() = nullptr) {
   const int64_t G = H / KVH, num_seqs = chunks.num;
   // packed buffers: each (sequence, kv head) gets its context rounded up to whole tiles
@@ -194,8 +245,7 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
     const int64_t rows = chunks.q_len[s] * G;
     task_start[s + 1] = task_start[s] + KVH * ((rows + R - 1) / R);
   }
-  const float scale_log2 = scale * 1.4426950408889634f;
-  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R); };
+  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R, scoring.window); };
   freight::parallel_for_balanced(task_start[num_seqs], cost, [&](int64_t begin, int64_t end) {
     if (begin_range) begin_range();
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
@@ -217,7 +267,7 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
       }
       const int64_t padded = (len + kTile - 1) / kTile * kTile;
       const int64_t offset = packed_offset[s] + h * padded * (D / 2);
-      attend(q_rows, pos, rows, kp.data() + offset, vp.data() + offset, scale_log2, out_rows);
+      attend(q_rows, pos, rows, kp.data() + offset, vp.data() + offset, scoring, out_rows);
     }
     if (end_range) end_range();
   });
@@ -263,7 +313,7 @@ FREIGHT_AMX_TARGET inline void amx_scores(const uint16_t (*q)[64], const uint32_
 }
 
 FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int64_t* pos, int rows,
-                                        const uint32_t* kp, const uint32_t* vp, float scale_log2,
+                                        const uint32_t* kp, const uint32_t* vp, const Scoring& scoring,
                                         uint16_t* const* out_rows) {
   constexpr int D = 64, R = kRowsAmx;
   alignas(64) uint16_t q[R][D];
@@ -277,17 +327,17 @@ FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int
     m[r] = -1e30f;
     l[r] = 0.f;
   }
-  int64_t last = 0;
-  for (int r = 0; r < rows; ++r) last = std::max(last, pos[r]);
-  const int64_t tiles = last / kTile + 1;
-  const __m512 scale = _mm512_set1_ps(scale_log2), hidden = _mm512_set1_ps(-1e30f);
-  for (int64_t tile = 0; tile < tiles; ++tile) {  // pass 1: row maxima of the scaled, visible scores
+  int64_t first, last;
+  key_range(pos, rows, scoring, first, last);
+  const int64_t first_tile = first / kTile, tiles = last / kTile + 1;
+  const __m512 hidden = _mm512_set1_ps(-1e30f);
+  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 1: row maxima of the visible logits
     amx_scores(q, kp + tile * (D / 2) * kTile, s);
     for (int r = 0; r < rows; ++r) {
       __mmask16 m0, m1;
-      tile_masks(pos[r], tile * kTile, m0, m1);
-      const __m512 x0 = _mm512_mask_mul_ps(hidden, m0, _mm512_load_ps(s[r]), scale);
-      const __m512 x1 = _mm512_mask_mul_ps(hidden, m1, _mm512_load_ps(s[r] + 16), scale);
+      tile_masks(scoring.first_key(pos[r]), pos[r], tile * kTile, m0, m1);
+      const __m512 x0 = _mm512_mask_mov_ps(hidden, m0, scoring.logits(_mm512_load_ps(s[r])));
+      const __m512 x1 = _mm512_mask_mov_ps(hidden, m1, scoring.logits(_mm512_load_ps(s[r] + 16)));
       m[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
     }
   }
@@ -296,14 +346,14 @@ FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  for (int64_t tile = 0; tile < tiles; ++tile) {  // pass 2: probabilities times values
+  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 2: probabilities times values
     amx_scores(q, kp + tile * (D / 2) * kTile, s);
     for (int r = 0; r < rows; ++r) {
       __mmask16 m0, m1;
-      tile_masks(pos[r], tile * kTile, m0, m1);
+      tile_masks(scoring.first_key(pos[r]), pos[r], tile * kTile, m0, m1);
       const __m512 mv = _mm512_set1_ps(m[r]);
-      const __m512 x0 = _mm512_mask_mul_ps(hidden, m0, _mm512_load_ps(s[r]), scale);
-      const __m512 x1 = _mm512_mask_mul_ps(hidden, m1, _mm512_load_ps(s[r] + 16), scale);
+      const __m512 x0 = _mm512_mask_mov_ps(hidden, m0, scoring.logits(_mm512_load_ps(s[r])));
+      const __m512 x1 = _mm512_mask_mov_ps(hidden, m1, scoring.logits(_mm512_load_ps(s[r] + 16)));
       const __m512 p0 = _mm512_maskz_mov_ps(m0, freight::exp2_16(_mm512_sub_ps(x0, mv)));
       const __m512 p1 = _mm512_maskz_mov_ps(m1, freight::exp2_16(_mm512_sub_ps(x1, mv)));
       l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
@@ -364,35 +414,40 @@ void pack_keys_f32(const float* k, int64_t stride, int64_t len, int64_t D, float
   }
 }
 
-// R query rows (row r: position pos[r], pointers q_rows[r], out_rows[r]) against keys [0, max pos]: key tiles
-// from kp, value rows v + key * v_stride. Rows past `rows` are padding (copies of row 0), never written.
+// R query rows (row r: position pos[r], pointers q_rows[r], out_rows[r]) against the keys they see, from the
+// tile of the first: key tiles from kp, value rows v + key * v_stride. Rows past `rows` are padding (copies of
+// row 0), never written.
 template <int D>
 void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, const float* kp, const float* v,
-                     int64_t v_stride, float scale_log2, float* const* out_rows) {
+                     int64_t v_stride, const Scoring& scoring, float* const* out_rows) {
   constexpr int R = kRowsF32, C = D / 8;
   constexpr int CW = 2;  // output chunks per pass over a tile's values: R x 2 accumulators + 2 value vectors
-  alignas(32) float q[R][D];  // scaled by scale * log2(e): the softmax runs in base 2
+  alignas(32) float q[R][D];  // times scoring.query_scale(): the scores are base-2 logits, or tanh's argument
   alignas(32) float o[R][D];
   alignas(32) float p[R][kTileF32];  // scores, then probabilities, of the current tile
   alignas(32) float m[8];            // running max per row (lanes past R unused)
   alignas(32) float l[R][8];         // running sum per row, 8 partial sums
-  const __m256 qscale = _mm256_set1_ps(scale_log2);
-  int64_t row_pos[R];
+  const __m256 qscale = _mm256_set1_ps(scoring.query_scale());
+  int64_t row_pos[R], row_first[R];  // each row's position and first visible key
   for (int r = 0; r < R; ++r) {
     const float* src = q_rows[r < rows ? r : 0];
     row_pos[r] = pos[r < rows ? r : 0];
+    row_first[r] = scoring.first_key(row_pos[r]);
     for (int c = 0; c < C; ++c) {
       _mm256_store_ps(q[r] + c * 8, _mm256_mul_ps(_mm256_loadu_ps(src + c * 8), qscale));
       _mm256_store_ps(o[r] + c * 8, _mm256_setzero_ps());
     }
   }
-  // finite: the first tile holds key 0, visible to every row, so m is a real score after it
+  // finite, so that a tile where a row sees no key (before its window) leaves it at -1e30 with zero weights
   _mm256_store_ps(m, _mm256_set1_ps(-1e30f));
   for (int r = 0; r < R; ++r) _mm256_store_ps(l[r], _mm256_setzero_ps());
-  int64_t last = 0;
-  for (int r = 0; r < rows; ++r) last = std::max(last, pos[r]);
+  int64_t first, last;
+  key_range(pos, rows, scoring, first, last);
+  // keys before this are hidden from some row: tiles starting before it need the window's mask
+  int64_t windowed_until = 0;
+  for (int r = 0; r < rows; ++r) windowed_until = std::max(windowed_until, row_first[r]);
   const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_add_ps(lane0, _mm256_set1_ps(8.f));
-  for (int64_t key0 = 0; key0 <= last; key0 += kTileF32) {
+  for (int64_t key0 = first / kTileF32 * kTileF32; key0 <= last; key0 += kTileF32) {
     // S = Q . K^T for the tile, accumulated in registers over d
     const float* kt = kp + key0 * D;  // [D][16]
     __m256 s[R][2];
@@ -409,22 +464,26 @@ void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, c
     }
     FREIGHT_UNROLL
     for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(p[r], s[r][0]);
-      _mm256_store_ps(p[r] + 8, s[r][1]);
+      _mm256_store_ps(p[r], scoring.logits_of_folded(s[r][0]));
+      _mm256_store_ps(p[r] + 8, scoring.logits_of_folded(s[r][1]));
     }
 
     // online softmax. Keys past a row's position are masked (causal), which also masks the padding past the
-    // sequence; only a tile reaching past the block's first (smallest) position has any.
-    const bool diagonal = key0 + kTileF32 - 1 > row_pos[0];
+    // sequence; only a tile reaching past the block's first (smallest) position has any. So are keys before a
+    // row's window; only a tile starting before the last row's window has any.
+    const bool masked = key0 + kTileF32 - 1 > row_pos[0] || key0 < windowed_until;
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     alignas(32) float m_new[8];
     _mm256_store_ps(m_new, _mm256_load_ps(m));
     for (int r = 0; r < R; ++r) {
       __m256 s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
-      if (diagonal) {
-        const __m256 limit = _mm256_set1_ps(float(row_pos[r] - key0));
-        s0 = _mm256_blendv_ps(ninf, s0, _mm256_cmp_ps(lane0, limit, _CMP_LE_OQ));
-        s1 = _mm256_blendv_ps(ninf, s1, _mm256_cmp_ps(lane1, limit, _CMP_LE_OQ));
+      if (masked) {  // lanes of keys [row_first, row_pos] stay
+        const __m256 upto = _mm256_set1_ps(float(row_pos[r] - key0));
+        const __m256 from = _mm256_set1_ps(float(std::max<int64_t>(row_first[r] - key0, -1)));
+        s0 = _mm256_blendv_ps(ninf, s0, _mm256_and_ps(_mm256_cmp_ps(lane0, upto, _CMP_LE_OQ),
+                                                      _mm256_cmp_ps(lane0, from, _CMP_GE_OQ)));
+        s1 = _mm256_blendv_ps(ninf, s1, _mm256_and_ps(_mm256_cmp_ps(lane1, upto, _CMP_LE_OQ),
+                                                      _mm256_cmp_ps(lane1, from, _CMP_GE_OQ)));
         _mm256_store_ps(p[r], s0);
         _mm256_store_ps(p[r] + 8, s1);
       }
@@ -438,7 +497,7 @@ void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, c
     for (int r = 0; r < R; ++r) {
       const __m256 mv = _mm256_set1_ps(m[r]), s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
       __m256 p0 = freight::exp2_8(_mm256_sub_ps(s0, mv)), p1 = freight::exp2_8(_mm256_sub_ps(s1, mv));
-      if (diagonal) {  // exp2_8 clamps its argument at -126: a masked score needs its zero set
+      if (masked) {  // exp2_8 clamps its argument at -126: a masked score needs its zero set
         p0 = _mm256_andnot_ps(_mm256_cmp_ps(s0, ninf, _CMP_EQ_OQ), p0);
         p1 = _mm256_andnot_ps(_mm256_cmp_ps(s1, ninf, _CMP_EQ_OQ), p1);
       }
@@ -485,7 +544,7 @@ void attend_rows_f32(const float* const* q_rows, const int64_t* pos, int rows, c
 
 template <int D>
 void prefill_f32(const float* q, const float* k, const float* v, const Chunks& chunks, int64_t H, int64_t KVH,
-                 float scale, float* out) {
+                 const Scoring& scoring, float* out) {
   constexpr int R = kRowsF32;
   const int64_t G = H / KVH, num_seqs = chunks.num;
   // packed keys: each (sequence, kv head) gets its context rounded up to whole tiles
@@ -508,8 +567,7 @@ void prefill_f32(const float* q, const float* k, const float* v, const Chunks& c
   std::vector<int64_t> task_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
     task_start[s + 1] = task_start[s] + KVH * ((chunks.q_len[s] * G + R - 1) / R);
-  const float scale_log2 = scale * 1.4426950408889634f;
-  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R); };
+  const auto cost = [&](int64_t task) { return task_cost(task, task_start, chunks, G, R, scoring.window); };
   freight::parallel_for_balanced(task_start[num_seqs], cost, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -530,7 +588,7 @@ void prefill_f32(const float* q, const float* k, const float* v, const Chunks& c
       }
       const int64_t padded = (len + kTileF32 - 1) / kTileF32 * kTileF32;
       attend_rows_f32<D>(q_rows, pos, rows, kp + packed_offset[s] + h * padded * D,
-                         v + (chunks.kv_start[s] * KVH + h) * D, KVH * D, scale_log2, out_rows);
+                         v + (chunks.kv_start[s] * KVH + h) * D, KVH * D, scoring, out_rows);
     }
   });
 }
@@ -581,20 +639,49 @@ Chunks chunks_of(const torch::Tensor& q_start, const torch::Tensor& q_len, const
   return chunks;
 }
 
+// With a sliding window, each chunk's context cut to the keys its first query (at kv_len - q_len) sees: those
+// before are never read nor packed, so a chunk after a long cached prefix costs its window, not the prefix.
+// Positions move with the context's start, so each query keeps the same keys. `storage` holds the moved
+// starts and lengths the result points to.
+Chunks trim_to_window(const Chunks& chunks, int64_t window, std::vector<int32_t>& storage) {
+  if (window <= 0) return chunks;
+  storage.resize(2 * chunks.num);
+  int32_t* kv_start = storage.data();
+  int32_t* kv_len = kv_start + chunks.num;
+  for (int64_t s = 0; s < chunks.num; ++s) {
+    const int32_t skip = int32_t(std::max<int64_t>(0, chunks.kv_len[s] - chunks.q_len[s] - window + 1));
+    kv_start[s] = chunks.kv_start[s] + skip;
+    kv_len[s] = chunks.kv_len[s] - skip;
+  }
+  return Chunks{chunks.q_start, chunks.q_len, kv_start, kv_len, chunks.num};
+}
+
+void check_options(int64_t window, double soft_cap) {
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(soft_cap >= 0.0 && std::isfinite(soft_cap), "soft_cap must be finite and >= 0 (0: none), got ",
+                    soft_cap);
+}
+
 // query [T, H, D], key/value [TK, KVH, D], out [T, H, D]: bfloat16, contiguous; the chunks as in Chunks. Rows
 // of out outside every chunk are left as they are.
 // amx: run head_dim 64 through AMX tiles (available_amx() must hold).
+// window: 0, or the keys a query sees (sliding window, itself included); soft_cap: 0, or c > 0 for scores
+// c * tanh(score / c).
 void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
                             torch::Tensor q_len, torch::Tensor kv_start, torch::Tensor kv_len, double scale,
-                            torch::Tensor out, bool amx) {
+                            torch::Tensor out, bool amx, int64_t window, double soft_cap) {
 #ifdef FREIGHT_PREFILL_BF16
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "bfloat16 tensors only");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() && out.is_contiguous(),
               "contiguous tensors only");
+  check_options(window, soft_cap);
   const int64_t H = query.size(1), KVH = key.size(1), D = query.size(2);
-  const Chunks chunks = chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0));
+  std::vector<int32_t> trimmed;
+  const Chunks chunks =
+      trim_to_window(chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0)), window, trimmed);
+  const Scoring scoring(scale, soft_cap, window);
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   const auto* k = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
   const auto* v = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
@@ -602,16 +689,18 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
   if (D == 64 && amx) {
 #ifdef FREIGHT_PREFILL_AMX
     TORCH_CHECK(available_amx(), "AMX is not usable here");
-    prefill<64, kRowsAmx>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows_amx, amx_begin, amx_end);
+    prefill<64, kRowsAmx>(q, k, v, chunks, H, KVH, scoring, o, attend_rows_amx, amx_begin, amx_end);
 #else
     TORCH_CHECK(false, "built without AMX support");
 #endif
   } else if (D == 64) {
-    prefill<64, 4>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows<64, 4>);
+    prefill<64, 4>(q, k, v, chunks, H, KVH, scoring, o, attend_rows<64, 4>);
   } else if (D == 128) {
-    prefill<128, 2>(q, k, v, chunks, H, KVH, float(scale), o, attend_rows<128, 2>);
+    prefill<128, 2>(q, k, v, chunks, H, KVH, scoring, o, attend_rows<128, 2>);
+  } else if (D == 256) {  // one row a task: its 16 output vectors fill half the registers, as 2 rows of 128 do
+    prefill<256, 1>(q, k, v, chunks, H, KVH, scoring, o, attend_rows<256, 1>);
   } else {
-    TORCH_CHECK(false, "head_dim must be 64 or 128");
+    TORCH_CHECK(false, "head_dim must be 64, 128 or 256");
   }
 #else
   TORCH_CHECK(false, "built without AVX-512 BF16");
@@ -621,25 +710,31 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
 // As prefill_attention_bf16, float32 tensors.
 void prefill_attention_f32(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
                            torch::Tensor q_len, torch::Tensor kv_start, torch::Tensor kv_len, double scale,
-                           torch::Tensor out) {
+                           torch::Tensor out, int64_t window, double soft_cap) {
 #ifdef FREIGHT_PREFILL_F32
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
                   value.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "float32 tensors only");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() && out.is_contiguous(),
               "contiguous tensors only");
+  check_options(window, soft_cap);
   const int64_t H = query.size(1), KVH = key.size(1), D = query.size(2);
-  const Chunks chunks = chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0));
+  std::vector<int32_t> trimmed;
+  const Chunks chunks =
+      trim_to_window(chunks_of(q_start, q_len, kv_start, kv_len, query.size(0), key.size(0)), window, trimmed);
+  const Scoring scoring(scale, soft_cap, window);
   const float* q = query.data_ptr<float>();
   const float* k = key.data_ptr<float>();
   const float* v = value.data_ptr<float>();
   float* o = out.data_ptr<float>();
   if (D == 64) {
-    prefill_f32<64>(q, k, v, chunks, H, KVH, float(scale), o);
+    prefill_f32<64>(q, k, v, chunks, H, KVH, scoring, o);
   } else if (D == 128) {
-    prefill_f32<128>(q, k, v, chunks, H, KVH, float(scale), o);
+    prefill_f32<128>(q, k, v, chunks, H, KVH, scoring, o);
+  } else if (D == 256) {
+    prefill_f32<256>(q, k, v, chunks, H, KVH, scoring, o);
   } else {
-    TORCH_CHECK(false, "head_dim must be 64 or 128");
+    TORCH_CHECK(false, "head_dim must be 64, 128 or 256");
   }
 #else
   TORCH_CHECK(false, "built without AVX2 + FMA");
@@ -650,6 +745,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_bf16", &available_bf16);
   m.def("available_f32", &available_f32);
   m.def("available_amx", &available_amx);
-  m.def("prefill_attention_bf16", &prefill_attention_bf16);
-  m.def("prefill_attention_f32", &prefill_attention_f32);
+  m.def("prefill_attention_bf16", &prefill_attention_bf16, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
+        py::arg("out"), py::arg("amx"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
+  m.def("prefill_attention_f32", &prefill_attention_f32, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
 }

@@ -1,5 +1,6 @@
 """The compiled CPU prefill-attention kernels (bfloat16 with AVX-512 BF16, float32 with AVX2 + FMA) against a
-float64 causal reference."""
+float64 causal reference; sliding windows and soft-capping against windowed_reference, a float64 reference
+of this file's own."""
 
 from __future__ import annotations
 
@@ -211,3 +212,132 @@ def test_row_blocks_split_by_work_across_threads(dtype, threads, amx):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sliding windows, soft-capping, head_dim 256
+
+
+def windowed_reference(q, k, v, kv_starts, contexts, q_lens, scale, window=0, soft_cap=0.0) -> torch.Tensor:
+    """float64: the last q_len rows of each context as queries (rows of `q` at the same index as in k and v);
+    the query at context index i sees context rows j with i - window < j <= i (j <= i for window 0), each
+    score s (scale applied) becoming soft_cap * tanh(s / soft_cap). Returns those queries' rows, in order."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for start, n, m in zip(kv_starts, contexts, q_lens, strict=True):
+        kk = k[start : start + n].double().repeat_interleave(group, 1)  # [n, heads, D]
+        vv = v[start : start + n].double().repeat_interleave(group, 1)
+        qq = q[start + n - m : start + n].double()  # [m, heads, D]
+        scores = torch.einsum("ihd,jhd->hij", qq, kk) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        i = torch.arange(n - m, n)[:, None]
+        j = torch.arange(n)[None, :]
+        visible = (j <= i) & ((j > i - window) if window else True)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vv))
+    return torch.cat(outs)
+
+
+def attend_windowed(contexts, q_lens, heads, kv_heads, head_dim, seed, dtype, amx=False, *, window=0,
+                    soft_cap=0.0, score_gain=1.0, nan_before_window=False):  # fmt: skip
+    """attend_chunks with options: the kernel's output for the chunks' queries and the reference. With
+    nan_before_window, context rows before the first query's window hold NaN (the kernel must not read
+    them)."""
+    q, k, v, kv_starts = random_step(contexts, heads, kv_heads, head_dim, seed=seed, dtype=dtype)
+    q = (q.float() * score_gain).to(dtype)
+    scale = head_dim**-0.5
+    want = windowed_reference(q, k, v, kv_starts, contexts, q_lens, scale, window, soft_cap)
+    if nan_before_window and window:
+        k, v = k.clone(), v.clone()
+        for start, n, m in zip(kv_starts, contexts, q_lens, strict=True):
+            unseen = max(0, n - m - window + 1)
+            k[start : start + unseen] = float("nan")
+            v[start : start + unseen] = float("nan")
+    rows = [torch.arange(s + n - m, s + n) for s, n, m in zip(kv_starts, contexts, q_lens, strict=True)]
+    chunk_q = q[torch.cat(rows)].contiguous()
+    q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    out = torch.full_like(chunk_q, float("nan"))
+    prefill_attention_cpu(chunk_q, k, v, q_starts, q_lens, scale, out, kv_starts=kv_starts, kv_lens=contexts,
+                          amx=amx, window=window, soft_cap=soft_cap)  # fmt: skip
+    return out.double(), want
+
+
+# whole contexts, a single query after a prefix, chunks across tile edges (16 keys float32, 32 bfloat16)
+CHUNK_CONTEXTS, CHUNK_Q_LENS = [40, 17, 33, 200, 5, 90], [40, 17, 1, 75, 4, 13]
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+# 1; off, on and past the key tiles; larger than every context
+@pytest.mark.parametrize("window", [1, 7, 16, 17, 32, 50, 1000])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 1)], ids=["gqa3", "gqa4"])
+def test_window_matches_reference_and_never_reads_before_it(dtype, amx, window, heads, kv_heads):
+    """Context rows before the first query's window hold NaN: the kernel must not read them."""
+    out, want = attend_windowed(CHUNK_CONTEXTS, CHUNK_Q_LENS, heads, kv_heads, 64, 31 + window, dtype, amx,
+                                window=window, nan_before_window=True)  # fmt: skip
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize("window", [5, 24])
+def test_a_context_trimmed_to_the_window_gives_the_same_rows(dtype, amx, window):
+    """The caller may pass only the context rows the window can reach (or any front past them): indices stay
+    relative to the context passed, so the output is the same."""
+    out, want = attend_windowed([150, 64], [40, 64], 6, 2, 64, 5, dtype, amx, window=window)
+    trimmed, _ = attend_windowed([150, 64], [40, 64], 6, 2, 64, 5, dtype, amx, window=window,
+                                 nan_before_window=True)  # fmt: skip
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+    torch.testing.assert_close(trimmed, out, rtol=0, atol=0)
+    # the same chunk given a context that starts at the first query's window (rows before it dropped)
+    q, k, v, kv_starts = random_step([150], 6, 2, 64, seed=9, dtype=dtype)
+    scale, cut = 0.125, 150 - 40 - window + 1
+    whole, part = torch.empty_like(q[110:]), torch.empty_like(q[110:])
+    prefill_attention_cpu(q[110:], k, v, [0], [40], scale, whole, kv_starts=[0], kv_lens=[150], amx=amx,
+                          window=window)  # fmt: skip
+    prefill_attention_cpu(q[110:], k[cut:], v[cut:], [0], [40], scale, part, kv_starts=[0],
+                          kv_lens=[150 - cut], amx=amx, window=window)  # fmt: skip
+    torch.testing.assert_close(part, whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize("soft_cap", [0.5, 3.0, 50.0])
+@pytest.mark.parametrize("window", [0, 20])
+def test_soft_cap_matches_reference(dtype, amx, soft_cap, window):
+    """Scores of several units (queries scaled up): caps of 0.5 and 3 saturate many, 50 (Gemma 2's) bends them
+    a little."""
+    out, want = attend_windowed(CHUNK_CONTEXTS, CHUNK_Q_LENS, 9, 3, 64, 41, dtype, amx, window=window,
+                                soft_cap=soft_cap, score_gain=4.0)  # fmt: skip
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (8, 4)], ids=["gemma3-270m", "gqa2"])
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, 0.0), (37, 0.0), (0, 30.0), (37, 30.0)])
+def test_head_dim_256(dtype, heads, kv_heads, window, soft_cap):
+    """Gemma 3 (270M: 4 heads, 1 kv head; sliding-window layers) and Gemma 2 (soft cap) use head_dim 256."""
+    out, want = attend_windowed(CHUNK_CONTEXTS, CHUNK_Q_LENS, heads, kv_heads, 256, 51, dtype, window=window,
+                                soft_cap=soft_cap, score_gain=2.0)  # fmt: skip
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_windowed_row_blocks_split_across_threads(dtype, amx, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, want = attend_windowed([9, 30, 64, 120, 260], [9, 12, 1, 100, 130], 9, 3, 64, 23, dtype, amx,
+                                    window=33, soft_cap=5.0, nan_before_window=True)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rejects_a_negative_window_or_cap(dtype):
+    q, k, v, starts = random_step([8], 2, 2, 64, seed=2, dtype=dtype)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="window"):
+        prefill_attention_cpu(q, k, v, [0], [8], 0.125, out, window=-1)
+    with pytest.raises(ValueError, match="soft_cap"):
+        prefill_attention_cpu(q, k, v, [0], [8], 0.125, out, soft_cap=-2.0)

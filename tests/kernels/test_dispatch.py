@@ -244,3 +244,80 @@ def test_bad_arguments_are_refused_on_every_branch(
     with pytest.raises(ValueError):
         op.call(bad=True)
     assert ran == [], ran
+
+
+ATTENTION_OPS = ["paged_decode_attention", "paged_prefill_attention"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "compiled", "torch"])
+@pytest.mark.parametrize("name", ATTENTION_OPS)
+@pytest.mark.parametrize(
+    "options",
+    [dict(window=-1), dict(window=2.0), dict(window=True), dict(soft_cap=-1.0), dict(soft_cap=float("inf"))],
+    ids=["window-negative", "window-float", "window-bool", "soft_cap-negative", "soft_cap-inf"],
+)
+def test_bad_attention_options_are_refused_on_every_branch(
+    monkeypatch: pytest.MonkeyPatch, name: str, backend: str, options: dict
+) -> None:
+    op = OPS[name]
+    monkeypatch.setattr(op.module, "select_backend", lambda *args, **kwargs: backend)
+    ran = spy(monkeypatch, op)
+    with pytest.raises(ValueError, match="window must be|soft_cap must be"):
+        op.call(**options)
+    assert ran == [], ran
+
+
+def record_calls(
+    monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, result: Callable
+) -> list[dict]:
+    """Replace module.name by a recorder of its keyword arguments that returns result(*args)."""
+    calls: list[dict] = []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return result(*args)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "options", [{}, dict(window=5), dict(soft_cap=30.0), dict(window=5, soft_cap=30.0)], ids=str
+)
+@pytest.mark.parametrize("backend", ["triton", "compiled", "torch"])
+def test_decode_passes_attention_options_to_its_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, options: dict
+) -> None:
+    """window and soft_cap reach the backend that runs; the compiled kernel gets them by keyword, and only
+    when set (so that a build without them still serves plain attention)."""
+    monkeypatch.setattr(decode_attention, "select_backend", lambda *args, **kwargs: backend)
+    module, name = OPS["paged_decode_attention"].backends[backend]
+    calls = record_calls(monkeypatch, module, name, lambda query, *rest: torch.zeros_like(query))
+    decode_call(**options)
+    if backend == "compiled":
+        assert calls == [options]
+    else:
+        assert calls == [dict(window=0, soft_cap=0.0) | options]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, dict(window=5), dict(soft_cap=30.0), dict(window=5, soft_cap=30.0)], ids=str
+)
+@pytest.mark.parametrize("backend", ["triton", "compiled", "torch"])
+def test_prefill_passes_attention_options_to_its_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, options: dict
+) -> None:
+    """As for decode; the compiled prefill kernel runs inside the torch path, given the gathered contexts."""
+    monkeypatch.setattr(prefill_attention, "select_backend", lambda *args, **kwargs: backend)
+    monkeypatch.setattr(cpu_prefill_attention, "supports", lambda query, key: True)
+    if backend == "compiled":
+        calls = record_calls(monkeypatch, cpu_prefill_attention, "prefill_attention_cpu", lambda *args: None)
+        prefill_call(**options)
+        assert [{k: v for k, v in call.items() if k in ("window", "soft_cap")} for call in calls] == [options]
+        return
+    module, name = OPS["paged_prefill_attention"].backends[backend]
+    calls = record_calls(monkeypatch, module, name, lambda query, *rest: torch.zeros_like(query))
+    prefill_call(**options)
+    assert [{k: call[k] for k in ("window", "soft_cap")} for call in calls] == [
+        dict(window=0, soft_cap=0.0) | options
+    ]

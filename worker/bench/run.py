@@ -30,6 +30,10 @@ from typing import Any
 
 import torch
 
+from worker.bench.breakdown import install as install_breakdown
+from worker.bench.random_model import FAMILIES as RANDOM_FAMILIES
+from worker.bench.random_model import PREFIX as RANDOM_PREFIX
+from worker.bench.random_model import random_model_path
 from worker.bench.sharegpt import DEFAULT_START, Workload, build_workload
 from worker.bench.vllm_peer import run_vllm
 
@@ -125,13 +129,14 @@ def run_transformers(model_path: Path, workload: Workload, batch_size: int, dtyp
 
 
 def run_freight(
-    system: str, model_path: Path, workload: Workload, engine_options: dict[str, Any]
+    system: str, model_path: Path, workload: Workload, engine_options: dict[str, Any], breakdown: bool = False
 ) -> SystemResult:
     from worker.engine import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=str(model_path), **(FREIGHT_SYSTEMS[system] | engine_options))
     load_s = time.perf_counter() - started
+    timers = install_breakdown(llm) if breakdown else None
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
 
     started = time.perf_counter()
@@ -139,6 +144,8 @@ def run_freight(
     elapsed = time.perf_counter() - started
     outputs = [list(out.output_token_ids) for out in outs]
     extra = {"plan": llm.engine.plan.to_json(), "engine_stats": llm.stats.as_dict()}
+    if timers is not None:
+        extra["decode_breakdown"] = timers.as_dict()
     return SystemResult(system, workload.prompt_tokens, outputs, elapsed, load_s, extra)
 
 
@@ -150,12 +157,13 @@ def run_system(
     batch_size: int,
     dtype: str,
     threads: int,
+    breakdown: bool = False,
 ) -> SystemResult:
     """One system's run; called in a fresh child process."""
     torch.set_num_threads(threads)
     if system == TRANSFORMERS:
         return run_transformers(model_path, workload, batch_size, dtype)
-    return run_freight(system, model_path, workload, engine_options)
+    return run_freight(system, model_path, workload, engine_options, breakdown)
 
 
 def prefix_agreement(outputs: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
@@ -207,7 +215,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vllm-script", help="vllm_baseline.py (default: ../shared/bench/ beside the repo)")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its own default: bfloat16)")
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before vLLM's run is stopped")
-    parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf file")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"alias, HF folder, .gguf file or random:NAME (real shape, random weights: "
+                             f"{', '.join(RANDOM_FAMILIES)}; built once into the models cache)")  # fmt: skip
     parser.add_argument("--cache-dir", default=None, help="models cache (default $FREIGHT_HOME/models)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="transformers' dtype (Freight systems set their own)")  # fmt: skip
@@ -221,6 +231,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", help="every Freight system's KV cache dtype (default: int8)")
     parser.add_argument("--scheduling", default="length", choices=("length", "fifo"))
     parser.add_argument("--json-out", default=None, help="also write the JSON lines here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="Freight systems: time decode steps' attention, MLP/experts, projections and the rest "
+                             "(timing wrappers, worker/bench/breakdown.py)")  # fmt: skip
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
@@ -239,7 +252,11 @@ def main(argv: list[str]) -> int:
 
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    model_path = resolve_model_path(args.model, Path(args.cache_dir) if args.cache_dir else None)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    if args.model.startswith(RANDOM_PREFIX):
+        model_path = random_model_path(args.model, cache_dir)
+    else:
+        model_path = resolve_model_path(args.model, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     workload = build_workload(tokenizer, args.start, args.n, args.max_prompt_len, args.output_len)
     engine_options = {
@@ -279,8 +296,10 @@ def main(argv: list[str]) -> int:
         else:
             with spawn.Pool(1) as child:
                 result = child.apply(
-                    run_system, (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads)
-                )
+                    run_system,
+                    (system, model_path, workload, engine_options, args.batch_size, args.dtype, threads,
+                     args.breakdown),
+                )  # fmt: skip
         short = [i for i, ids in enumerate(result.output_token_ids) if len(ids) != workload.output_len]
         if short:
             raise RuntimeError(

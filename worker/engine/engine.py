@@ -6,12 +6,12 @@ import time
 
 import torch
 
-from worker.engine.attention import KVCache
-from worker.engine.block_manager import BlockManager, blocks_for
+from worker.engine.attention import KVCache, KVGroup, kv_groups, split_kv_blocks
+from worker.engine.block_manager import BlockCoordinator, BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
 from worker.engine.invariance import invariant_block_rows, wide_block_rows
 from worker.engine.loader import calibration_dir, load_checkpoint
-from worker.engine.model import LlamaModel
+from worker.engine.model import DecoderModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.path_plan import plan_cpu_kernels, plan_for
 from worker.engine.sampler import apply_min_tokens, token_logprobs
@@ -26,6 +26,7 @@ from worker.engine.step_inputs import StepInputs, build_step_inputs, prompt_logp
 from worker.engine.stopping import FinishChecker
 from worker.engine.structured import StructuredDecoder
 from worker.engine.verify import SampleGroup, next_tokens, sample_chunks
+from worker.engine.weights import canonical_tensors
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
@@ -59,28 +60,39 @@ class LLMEngine:
         self.kv_dtype = config.kv_torch_dtype(self.dtype)
         if self.device.type == "cpu":
             plan_cpu_kernels(self.plan, config, self.model_config, calibration)
-        tensors = checkpoint.tensors
+        tensors = canonical_tensors(self.model_config, checkpoint.tensors)
         if scheme.quantization == "int8" and config.smoothing:
             tensors = self._smoothed(tensors)
         invariant_rows = self._invariant_rows(scheme.quantization)
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             self.model_config, tensors, self.dtype, scheme.quantization, self.device,
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
             small_batch_rows=self._small_batch_rows(), invariant_rows=invariant_rows,
             wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows),
         )
         del checkpoint, tensors
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self._num_kv_blocks()  # per KV group
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.kv_dtype, self.device)
         if self.plan.attention is not None:
             self.kv_cache.compiled_decode = self.plan.attention.compiled_decode
             self.kv_cache.compiled_prefill = self.plan.attention.compiled_prefill
         # cached KV is only valid for the same weights and numerics: the salt seeds every block hash
         salt = f"{config.model}|{scheme.dtype}|{scheme.quantization}|{config.smoothing}|{self.kv_dtype}"
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(config, self.blocks)
+        groups, caching = self.kv_cache.groups, config.enable_prefix_caching
+        self.kv_blocks = BlockCoordinator(
+            [
+                BlockManager(n, config.block_size, caching, salt, window=group.window, group=g)
+                for g, (group, n) in enumerate(zip(groups, num_blocks, strict=True))
+            ],
+            layers=[len(group.layers) for group in groups],
+        )
+        self.blocks = self.kv_blocks.groups[0]  # KV group 0's manager: every layer's, without window layers
+        self.scheduler = Scheduler(config, self.kv_blocks)
         self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
-        self.stats = EngineStats(num_kv_blocks=num_blocks, tier=self.plan.tier, paths=self.plan.paths())
+        # KV use in blocks of every layer (a window group's blocks weigh its share of the layers)
+        self.stats = EngineStats(
+            num_kv_blocks=self.kv_blocks.num_blocks, tier=self.plan.tier, paths=self.plan.paths()
+        )
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -106,15 +118,15 @@ class LLMEngine:
         """Drafts priced by the small-batch measurement where there is one ("auto"), else bounded by rows."""
         k, max_len = self.config.num_speculative_tokens, self.max_model_len
         if self.config.speculation_max_rows != "auto":
-            return Speculator(self.blocks, k, max_len, max_rows=self.config.speculation_max_rows)
+            return Speculator(self.kv_blocks, k, max_len, max_rows=self.config.speculation_max_rows)
         cost = StepCost.from_measurement(self.plan.small_batch.fastest()) if self.plan.small_batch else None
         if cost is None:
-            return Speculator(self.blocks, k, max_len, max_rows=DEFAULT_MAX_ROWS)
-        return Speculator(self.blocks, k, max_len, step_cost=cost)
+            return Speculator(self.kv_blocks, k, max_len, max_rows=DEFAULT_MAX_ROWS)
+        return Speculator(self.kv_blocks, k, max_len, step_cost=cost)
 
     def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
-        float_model = LlamaModel(
+        float_model = DecoderModel(
             self.model_config, tensors, self.dtype, None, self.device,
             max_positions=self.max_model_len,
         )
@@ -123,21 +135,40 @@ class LLMEngine:
         del float_model
         return smooth_tensors(self.model_config, tensors, maxima)
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
+    def _num_kv_blocks(self) -> list[int]:
+        """Blocks of each KV group's pool (attention.kv_groups) in the memory budget, or in the memory of
+        num_kv_blocks blocks of every layer (without window layers: exactly num_kv_blocks)."""
+        cfg, model = self.config, self.model_config
+        per_layer_block = KVCache.bytes_per_layer_block(model, cfg.block_size, self.kv_dtype)
+        groups = kv_groups(model)
+        if cfg.num_kv_blocks is not None:
+            return split_kv_blocks(groups, cfg.num_kv_blocks * model.num_layers, self._window_blocks(groups))
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.gpu_memory_utilization
+            budget = free * cfg.gpu_memory_utilization
         else:
-            budget = self.config.kv_cache_memory_gb * 2**30
+            budget = cfg.kv_cache_memory_gb * 2**30
         # more blocks than max_num_seqs full-length sequences would never be used
-        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
-        num_blocks = min(int(budget // per_block), useful)
-        if num_blocks < 1:
+        useful = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
+        counts = split_kv_blocks(groups, int(budget // per_layer_block), self._window_blocks(groups), useful)
+        if min(counts) < 1:
+            per_block = per_layer_block * model.num_layers
             raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB holds no {per_block}-byte block")
-        return num_blocks
+        return counts
+
+    def _window_blocks(self, groups: list[KVGroup]) -> list[int]:
+        """Per group, the blocks that hold every sequence the engine can run at once (0: full attention):
+        max_num_seqs decodes, each reading its window plus a draft (a block more where the window straddles
+        one), and the step's prefill chunks, which are written whole however long the window."""
+        cfg = self.config
+        draft = cfg.num_speculative_tokens if cfg.enable_speculation else 0
+        longest = blocks_for(self.max_model_len, cfg.block_size)
+        chunks = blocks_for(cfg.max_num_batched_tokens, cfg.block_size)
+        return [
+            min(cfg.max_num_seqs * min(longest, blocks_for(g.window - 1 + draft, cfg.block_size) + 1) + chunks,
+                cfg.max_num_seqs * longest) if g.window else 0
+            for g in groups
+        ]  # fmt: skip
 
     def add_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(
@@ -171,9 +202,10 @@ class LLMEngine:
         if min(seq.prompt_token_ids) < 0 or max(seq.prompt_token_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
         longest = min(n + seq.params.max_tokens, self.max_model_len)
-        if blocks_for(longest, self.config.block_size) > self.blocks.num_blocks:
+        if not self.kv_blocks.fits(longest):
+            held = min(g.num_blocks for g in self.kv_blocks.groups) * self.config.block_size
             return (f"request needs up to {longest} tokens of KV cache but the pool holds "
-                    f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory_gb")
+                    f"{held}; raise kv_cache_memory_gb")
         return None
 
     def has_unfinished(self) -> bool:
@@ -200,7 +232,7 @@ class LLMEngine:
             self.speculator.propose(
                 scheduled, self.config.max_num_batched_tokens, num_waiting=self.scheduler.num_waiting
             )
-        inputs = build_step_inputs(scheduled, self.blocks, self.device)
+        inputs = build_step_inputs(scheduled, self.kv_blocks, self.device)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         for chunk, offset in zip(scheduled.prefills, inputs.prefill_offsets, strict=True):
             if chunk.seq.params.prompt_logprobs:
@@ -208,10 +240,10 @@ class LLMEngine:
         for seq in scheduled.decodes:
             if seq not in scheduled.drafts:  # speculating ones are settled once their draft is verified
                 seq.num_computed_tokens += 1
-                self.blocks.register_full(seq, seq.num_computed_tokens - 1, seq.num_computed_tokens)
+                self.kv_blocks.register_full(seq, seq.num_computed_tokens - 1, seq.num_computed_tokens)
         for chunk in scheduled.prefills:
             chunk.seq.num_computed_tokens = chunk.end
-            self.blocks.register_full(chunk.seq, chunk.start, chunk.end)
+            self.kv_blocks.register_full(chunk.seq, chunk.start, chunk.end)
         done, rejected_rows = self._sample(hidden, inputs)
         finished.extend(done)
         for seq in finished:
@@ -221,8 +253,8 @@ class LLMEngine:
             # rows of rejected draft tokens ran through the model but left no K/V (draft_tokens counts them)
             num_tokens=scheduled.num_tokens - rejected_rows,
             running=len(scheduled.decodes) + len(scheduled.prefills),
-            kv_blocks_used=self.blocks.num_used,
-            peak_kv_blocks_used=self.blocks.peak_used,
+            kv_blocks_used=self.kv_blocks.num_used,  # blocks of every layer (window groups weighted)
+            peak_kv_blocks_used=self.kv_blocks.peak_used,
             seconds=time.perf_counter() - started,
         )
         return finished

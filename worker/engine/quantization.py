@@ -20,6 +20,18 @@ from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weig
 Int8Backend = Literal["int_mm", "onednn", "triton"]
 
 
+def gated(linear: Linear, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's fused gate/up projection: [tokens, in] -> act(gate) * up [tokens, out / 2].
+    "silu" takes the linear's fused path (gate and up never stored on CPU INT8); "gelu_tanh" (Gemma's GeGLU,
+    transformers' gelu_pytorch_tanh) runs the product, then the activation."""
+    if activation == "silu":
+        return linear.silu_mul(x)
+    if activation != "gelu_tanh":
+        raise ValueError(f"unknown MLP activation {activation!r}")
+    gate, up = linear(x).chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class FloatLinear:
     """A float projection. With invariant_rows = B > 0 the product runs in blocks of exactly B rows (the last
     one padded), so a row's result does not depend on how many rows share the step: CPU GEMM libraries

@@ -10,6 +10,11 @@ Prefix caching: a sequence is admitted with the longest cached prefix of its tok
 chat header and instruction, together: length ordering sorts by uncached tokens (below), and a
 sequence whose next uncached block is being computed in this very step by another one waits a
 step, to find it cached instead of computing it a second time.
+
+KV groups (block_manager.BlockCoordinator): with sliding-window layers every KV group has its own pool;
+a sequence is admitted or grown only when every group can hold it, a chunk is as long as the tightest
+group allows, and preemption frees every group. Each step starts by freeing the blocks that fell out of the
+running sequences' windows.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
+from worker.engine.block_manager import BlockCoordinator, BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.sequence import Sequence, SequenceStatus
 
@@ -60,15 +65,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockCoordinator | BlockManager) -> None:
+        """blocks: the KV groups' managers; a lone BlockManager is one group."""
         self.config = config
-        self.blocks = block_manager
+        self.blocks = blocks if isinstance(blocks, BlockCoordinator) else BlockCoordinator([blocks])
         self.running: list[Sequence] = []  # admission order: the last one is the newest
         self._waiting: list[Sequence] = []
         self._waiting_sorted = True
         self._preempted: deque[Sequence] = deque()  # resumed before any new request
-        # keep a few blocks free at admission so running decodes do not preempt at once
-        self._admission_reserve = max(1, block_manager.num_blocks // 100)
 
     def add(self, seq: Sequence) -> None:
         self._waiting.append(seq)
@@ -96,6 +100,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.blocks.has_windows:  # what left the windows goes back before anything is allocated
+            for seq in self.running:
+                self.blocks.free_out_of_window(seq)
         budget = self.config.max_num_batched_tokens
         budget -= self._schedule_decodes(out)
         budget = self._schedule_running_prefills(out, budget)
@@ -123,7 +130,7 @@ class Scheduler:
                 break
             if seq.num_uncomputed_tokens <= 1:
                 continue
-            num = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=0)
+            num = min(seq.num_uncomputed_tokens, budget, self.blocks.capacity(seq) - seq.num_computed_tokens)
             if num > 0:
                 self.blocks.allocate(seq, seq.num_computed_tokens + num)
                 out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num))
@@ -137,13 +144,11 @@ class Scheduler:
             if seq is None:
                 return
             cached = self.blocks.cached_prefix(seq)
-            if self._waits_for_in_flight(seq, len(cached), in_flight):
+            if self._waits_for_in_flight(seq, cached.num_blocks, in_flight):
                 return
-            start = len(cached) * self.blocks.block_size
-            # unreferenced cached blocks count as free until this sequence takes them
-            reserve = self._admission_reserve + self.blocks.num_evictable(cached)
-            num = self._chunk_size(len(cached), start, min(seq.num_tokens - start, budget), reserve)
-            if num == 0:
+            start = cached.num_blocks * self.blocks.block_size
+            num = min(seq.num_tokens - start, budget, self.blocks.admission_capacity(cached) - start)
+            if num <= 0:
                 return
             self._pop_waiting(seq)
             seq.status = SequenceStatus.RUNNING
@@ -173,18 +178,6 @@ class Scheduler:
             return False
         hashes = self.blocks.shareable_hashes(seq)
         return num_cached < len(hashes) and hashes[num_cached] in in_flight
-
-    def _fit_chunk(self, seq: Sequence, wanted: int, reserve: int) -> int:
-        return self._chunk_size(len(seq.block_table), seq.num_computed_tokens, wanted, reserve)
-
-    def _chunk_size(self, num_held: int, computed: int, wanted: int, reserve: int) -> int:
-        """Largest chunk <= wanted that fits in the `num_held` blocks of a sequence with `computed`
-        tokens plus the blocks that can be allocated now, keeping `reserve` blocks free."""
-        free_blocks = self.blocks.num_free - reserve
-        if free_blocks < 0:
-            return 0
-        capacity = (num_held + free_blocks) * self.blocks.block_size - computed
-        return max(0, min(wanted, capacity))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -28,7 +28,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    # per KV group (attention.kv_groups): the block of each block_size positions; in a window group the blocks
+    # out of every future query's window are freed and their entries become block_manager.PLACEHOLDER
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -37,6 +39,15 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-request RNG, so a seeded request samples alike in any batch
     draft_state: DraftState | None = None  # prompt-lookup drafting, made when the sequence first may draft
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (the only one of a model without window layers)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_prompt_tokens(self) -> int:

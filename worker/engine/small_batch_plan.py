@@ -44,7 +44,10 @@ class SmallBatchChoice:
 def _projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
     """[N, K] of one layer's four products: fused qkv, o, fused gate/up, down."""
     h, i, d = model.hidden_size, model.intermediate_size, model.head_dim
-    return [((model.num_heads + 2 * model.num_kv_heads) * d, h), (h, model.num_heads * d), (2 * i, h), (h, i)]
+    shapes = [((model.num_heads + 2 * model.num_kv_heads) * d, h), (h, model.num_heads * d), (2 * i, h), (h, i)]
+    if model.num_experts:  # MoE: an expert's gate/up and down (a decode row streams top-k of them per layer)
+        shapes[2:] = [(2 * model.moe_intermediate_size, h), (h, model.moe_intermediate_size)]
+    return shapes
 
 
 @torch.inference_mode()

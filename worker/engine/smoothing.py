@@ -9,9 +9,15 @@ into the weights, where per-output-channel scales absorb it:
     s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)
 
 The 1 / s_j is folded into what produces the input, so no extra op runs: the RMSNorm weight before
-qkv and gate_up, the up rows of gate_up before down (silu(gate) * up is linear in up), and the final
+qkv and gate_up, the up rows of gate_up before down (act(gate) * up is linear in up), and the final
 norm before the LM head (a tied head then gets a scaled copy of the embeddings). max|X_j|
 comes from one float forward pass over calibration.txt beside this file; nothing is downloaded.
+
+Mixture-of-experts layers (moe.py): one s for the block input, from its maxima and the concatenated
+experts' gate_up weights, folded into the norm before the block (the float32 router reads the same
+input: its columns are scaled by s too, so the routing is unchanged in exact arithmetic); each expert's
+down input is smoothed on its own, folded into that expert's up rows, where calibration routed tokens
+to it (an expert that got none keeps s = 1: there is no range to move).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class InputMaxima:
     gate_up: list[torch.Tensor] = field(default_factory=list)  # [hidden]
     down: list[torch.Tensor] = field(default_factory=list)  # [intermediate]
     head: torch.Tensor | None = None  # [hidden]: the final norm's output, the LM head's input
+    # sparse layers: gate_up[i] is the MoE block's input, down[i] is empty; per (layer, expert) that got
+    # calibration tokens, its down input [moe_intermediate]
+    expert_down: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class _Recorder:
@@ -62,21 +71,52 @@ def calibration_token_ids(tokenizer, max_tokens: int) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))[:max_tokens]
 
 
+class _MoERecorder:
+    """Wraps an MoE block: records max |x| of its input, and (through each expert's down) of each expert's
+    down input."""
+
+    def __init__(self, block, maxima: InputMaxima, layer: int) -> None:
+        self.block = block
+        self.maxima = maxima
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        self.maxima.gate_up.append(x.float().abs().amax(dim=0))
+        self.maxima.down.append(x.new_zeros(0))  # keeps maxima.down indexed by layer
+        downs = self.block.down
+        recorded: list[list[torch.Tensor]] = [[] for _ in downs]
+        self.block.down = [_Recorder(d, into) for d, into in zip(downs, recorded, strict=True)]
+        try:
+            out = self.block(x, residual=residual)
+        finally:
+            self.block.down = downs
+        for expert, into in enumerate(recorded):
+            if into:
+                self.maxima.expert_down[(self.layer, expert)] = torch.stack(into).amax(dim=0)
+        return out
+
+
 @torch.inference_mode()
 def measure_input_maxima(model, token_ids: list[int], block_size: int = 16) -> InputMaxima:
-    """One prefill of `token_ids` through a float LlamaModel, recording each projection's input range."""
+    """One prefill of `token_ids` through a float DecoderModel, recording each projection's input range."""
     maxima = InputMaxima()
     originals = []
-    for layer in model.layers:
-        originals.append((layer.qkv, layer.gate_up, layer.down))
+    for i, layer in enumerate(model.layers):
+        moe = getattr(layer, "moe", None)
+        originals.append((layer.qkv, layer.gate_up, layer.down, moe))
         layer.qkv = _Recorder(layer.qkv, maxima.qkv)
-        layer.gate_up = _Recorder(layer.gate_up, maxima.gate_up)
-        layer.down = _Recorder(layer.down, maxima.down)
+        if moe is not None:
+            layer.moe = _MoERecorder(moe, maxima, i)
+        else:
+            layer.gate_up = _Recorder(layer.gate_up, maxima.gate_up)
+            layer.down = _Recorder(layer.down, maxima.down)
     try:
         maxima.head = prefill(model, token_ids, block_size).float().abs().amax(dim=0)
     finally:
-        for layer, (qkv, gate_up, down) in zip(model.layers, originals, strict=True):
+        for layer, (qkv, gate_up, down, moe) in zip(model.layers, originals, strict=True):
             layer.qkv, layer.gate_up, layer.down = qkv, gate_up, down
+            if moe is not None:
+                layer.moe = moe
     return maxima
 
 
@@ -114,29 +154,56 @@ def smoothing_scales(input_max: torch.Tensor, weight: torch.Tensor, alpha: float
 def smooth_tensors(
     config: ModelConfig, tensors: dict[str, torch.Tensor], maxima: InputMaxima
 ) -> dict[str, torch.Tensor]:
-    """A copy of the checkpoint's tensors with every layer's qkv, gate_up and down inputs smoothed."""
+    """A copy of the canonical tensors (weights.py) with every layer's qkv, gate_up and down inputs smoothed."""
     out = dict(tensors)
+
+    def fold(norm: str, weight: str, input_max: torch.Tensor) -> None:
+        """Input channels of `weight` scaled by s, the RMSNorm weight that produces its input by 1 / s."""
+        s = smoothing_scales(input_max, tensors[weight])
+        out[norm] = (tensors[norm].float() / s).to(tensors[norm].dtype)
+        out[weight] = (tensors[weight].float() * s).to(tensors[weight].dtype)
+
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        attn = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
-        mlp_in = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        # qkv and gate_up inputs: fold 1 / s into the RMSNorm weight that produces them
-        for norm, names, input_max in (
-            (p + "input_layernorm.weight", attn, maxima.qkv[i]),
-            (p + "post_attention_layernorm.weight", mlp_in, maxima.gate_up[i]),
-        ):
-            s = smoothing_scales(input_max, torch.cat([tensors[n] for n in names]))
-            out[norm] = (tensors[norm].float() / s).to(tensors[norm].dtype)
-            for name in names:
-                out[name] = (tensors[name].float() * s).to(tensors[name].dtype)
-        # down's input is silu(gate) * up: fold 1 / s into the up rows
-        down, up = p + "mlp.down_proj.weight", p + "mlp.up_proj.weight"
+        p = f"layers.{i}."
+        fold(p + "attn_norm", p + "qkv", maxima.qkv[i])
+        if config.is_sparse(i):
+            _smooth_moe(config, tensors, out, maxima, i)
+            continue
+        fold(p + "mlp_norm", p + "gate_up", maxima.gate_up[i])
+        # down's input is act(gate) * up, linear in up: fold 1 / s into the up rows (the second half)
+        down, gate_up = p + "down", p + "gate_up"
         s = smoothing_scales(maxima.down[i], tensors[down])
-        out[up] = (out[up].float() / s[:, None]).to(tensors[up].dtype)
+        half = config.intermediate_size
+        up = out[gate_up].float()
+        out[gate_up] = torch.cat([up[:half], up[half:] / s[:, None]]).to(tensors[gate_up].dtype)
         out[down] = (tensors[down].float() * s).to(tensors[down].dtype)
     # the LM head's input: fold 1 / s into the final norm; a tied head gets its own scaled copy
-    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    head = tensors.get("lm_head", tensors["embed"])
     s = smoothing_scales(maxima.head, head)
-    out["model.norm.weight"] = (tensors["model.norm.weight"].float() / s).to(tensors["model.norm.weight"].dtype)
-    out["lm_head.weight"] = (head.float() * s).to(head.dtype)
+    out["norm"] = (tensors["norm"].float() / s).to(tensors["norm"].dtype)
+    out["lm_head"] = (head.float() * s).to(head.dtype)
     return out
+
+
+def _smooth_moe(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], out: dict[str, torch.Tensor], maxima: InputMaxima, i: int
+) -> None:
+    """A sparse layer: the block input (norm, router, every expert's gate_up) and each expert's down input."""
+    p = f"layers.{i}."
+    norm, router, gate_up, down = p + "mlp_norm", p + "router", p + "experts.gate_up", p + "experts.down"
+    hidden = config.hidden_size
+    s = smoothing_scales(maxima.gate_up[i], tensors[gate_up].reshape(-1, hidden))
+    out[norm] = (tensors[norm].float() / s).to(tensors[norm].dtype)
+    out[router] = (tensors[router].float() * s).to(tensors[router].dtype)
+    experts_gate_up = tensors[gate_up].float() * s
+    experts_down = tensors[down].float().clone()
+    half = config.moe_intermediate_size
+    for expert in range(config.num_experts):
+        input_max = maxima.expert_down.get((i, expert))
+        if input_max is None:
+            continue
+        s_e = smoothing_scales(input_max, experts_down[expert])
+        experts_gate_up[expert, half:] /= s_e[:, None]
+        experts_down[expert] *= s_e
+    out[gate_up] = experts_gate_up.to(tensors[gate_up].dtype)
+    out[down] = experts_down.to(tensors[down].dtype)

@@ -1,4 +1,8 @@
-"""Flatten a scheduled step into packed model inputs: no padding, decodes first."""
+"""Flatten a scheduled step into packed model inputs: no padding, decodes first.
+
+Token ids, positions, decode context lengths and prefill query ranges are the step's; slot mappings and
+block tables are each KV group's (block_manager.BlockCoordinator), group 0's in the metadata's own fields.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.attention import AttentionMetadata
-from worker.engine.block_manager import BlockManager
+from worker.engine.attention import AttentionMetadata, GroupTables
+from worker.engine.block_manager import BlockCoordinator, BlockManager
 from worker.engine.scheduler import PrefillChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
 
@@ -23,13 +27,38 @@ class StepInputs:
     prefill_offsets: list[int]  # first row of each prefill chunk
 
 
-def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:  # [rows, max_blocks] int32
+def _block_tables(tables: list[list[int]], device: torch.device, window: int = 0) -> torch.Tensor:
+    """[rows, max_blocks] int32. Entries past a sequence's length are never read by the kernels, nor are a
+    window group's placeholders (blocks before every query's window): 0 keeps them in range."""
     width = max(len(t) for t in tables)
-    # entries past a sequence's length are never read by the kernels; 0 keeps them in range
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return out.clamp_(min=0) if window else out
 
 
-def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.device) -> StepInputs:
+def _group_tables(out: SchedulerOutput, group: BlockManager, device: torch.device) -> GroupTables:
+    """A further KV group's slots and tables, in the rows of build_step_inputs."""
+    slots: list[int] = []
+    decode_tables: list[list[int]] = []
+    for seq in out.decodes:
+        table = group.table(seq)
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + 1 + len(out.drafts.get(seq, []))):
+            slots.append(group.slot(seq, pos))
+            decode_tables.append(table)
+    for chunk in out.prefills:
+        slots.extend(group.slot(chunk.seq, p) for p in range(chunk.start, chunk.end))
+    return GroupTables(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        decode_block_tables=_block_tables(decode_tables, device, group.window) if out.decodes else None,
+        prefill_block_tables=_block_tables([group.table(c.seq) for c in out.prefills], device, group.window)
+        if out.prefills else None,
+    )
+
+
+def build_step_inputs(
+    out: SchedulerOutput, blocks: BlockCoordinator | BlockManager, device: torch.device
+) -> StepInputs:
+    groups = blocks.groups if isinstance(blocks, BlockCoordinator) else [blocks]
+    first = groups[0]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -47,8 +76,8 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
             sample_rows.append(len(ids))
             ids.append(token)
             positions.append(pos)
-            slots.append(blocks.slot(seq, pos))
-            decode_tables.append(seq.block_table)
+            slots.append(first.slot(seq, pos))
+            decode_tables.append(seq.block_tables[0])
         sample_seqs.append(seq)
         sample_drafts.append(draft)
     num_decodes = len(ids)
@@ -60,7 +89,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
         ids.extend(chunk.seq.tokens(chunk.start, chunk.end))
         span = range(chunk.start, chunk.end)
         positions.extend(span)
-        slots.extend(blocks.slot(chunk.seq, p) for p in span)
+        slots.extend(first.slot(chunk.seq, p) for p in span)
         query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
         if chunk.samples:
             sample_rows.append(len(ids) - 1)
@@ -74,11 +103,13 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, device: torch.
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decode_tokens=num_decodes,
-        decode_block_tables=_block_tables(decode_tables, device) if out.decodes else None,
+        decode_block_tables=_block_tables(decode_tables, device, first.window) if out.decodes else None,
         decode_context_lens=i32([p + 1 for p in positions[:num_decodes]]) if out.decodes else None,
-        prefill_block_tables=_block_tables([s.block_table for s in prefill_seqs], device) if prefill_seqs else None,
+        prefill_block_tables=_block_tables([s.block_tables[0] for s in prefill_seqs], device, first.window)
+        if prefill_seqs else None,
         prefill_query_start_loc=i32(query_start_loc) if prefill_seqs else None,
         prefill_seq_lens=i32([c.end for c in out.prefills]) if prefill_seqs else None,
+        other_groups=tuple(_group_tables(out, group, device) for group in groups[1:]),
     )
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from worker.engine import LLM, SamplingParams
-from worker.engine.block_manager import BlockManager
+from worker.engine.block_manager import PLACEHOLDER, BlockCoordinator, BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import RequestTimings
 from worker.engine.scheduler import Scheduler
@@ -101,6 +101,82 @@ def test_a_block_computed_twice_is_registered_once() -> None:
     blocks.free(a)
     blocks.free(b)
     assert blocks.num_free == 8 and blocks.num_cached == 1
+
+
+# sliding windows: BS = 4, window 10, so a query reads its own block and up to 3 before it
+
+
+def with_cached(blocks: BlockManager, hashes: list[bytes], cached: str) -> BlockManager:
+    """`blocks` with block i registered under hashes[i] where cached[i] == "x"."""
+    for i, flag in enumerate(cached):
+        if flag == "x":
+            blocks._block_of_hash[hashes[i]] = i
+            blocks._hash_of_block[i] = hashes[i]
+    return blocks
+
+
+@pytest.mark.parametrize(
+    ("cached", "window_hit", "full_hit"),
+    [
+        ("xxxxxxxxxx", 10, 10),
+        ("....xxxxxx", 10, 0),  # the first 7 blocks are out of the window of position 40
+        ("xxxxxx.xx.", 6, 6),  # block 9 missing: 9 needs 6; 6 needs 3, 4, 5
+        ("xx.x......", 2, 2),  # position 8's window reaches back to block 0
+        (".xxx......", 4, 0),  # position 16's window starts in block 1
+        (".xx.......", 0, 0),  # position 12's reaches block 0
+    ],
+)
+def test_a_window_group_hit_needs_only_the_blocks_its_window_reaches(
+    cached: str, window_hit: int, full_hit: int
+) -> None:
+    seq = make_seq(0, list(range(1, 42)))  # 10 shareable blocks
+    hashes = BlockManager(num_blocks=1, block_size=BS).shareable_hashes(seq)
+    window = with_cached(BlockManager(num_blocks=16, block_size=BS, enable_caching=True, window=10), hashes, cached)
+    full = with_cached(BlockManager(num_blocks=16, block_size=BS, enable_caching=True), hashes, cached)
+    assert window.hit_length(hashes, 10) == window_hit and full.hit_length(hashes, 10) == full_hit
+    first = window.first_in_window(window_hit * BS)
+    assert window.cached_blocks(hashes, window_hit) == [PLACEHOLDER] * first + list(range(first, window_hit))
+
+
+def test_a_hit_is_the_longest_every_group_serves() -> None:
+    seq = make_seq(0, list(range(1, 42)))
+    hashes = BlockManager(num_blocks=1, block_size=BS).shareable_hashes(seq)
+    full = with_cached(BlockManager(num_blocks=16, block_size=BS, enable_caching=True), hashes, "xxxxxxxx..")
+    window = with_cached(
+        BlockManager(num_blocks=16, block_size=BS, enable_caching=True, window=10, group=1), hashes, "xxxxxx.xxx"
+    )
+    # full: 8; the window cannot end at 8 (block 6 missing), at 6 it can; so can full
+    hit = BlockCoordinator([full, window]).cached_prefix(seq)
+    assert hit.num_blocks == 6
+    assert hit.tables == [[0, 1, 2, 3, 4, 5], [PLACEHOLDER] * 3 + [3, 4, 5]]
+
+
+def test_window_blocks_long_evicted_still_give_a_hit() -> None:
+    full = BlockManager(num_blocks=32, block_size=BS, enable_caching=True)
+    window = BlockManager(num_blocks=16, block_size=BS, enable_caching=True, window=10, group=1)
+    blocks = BlockCoordinator([full, window])
+    first = make_seq(0, list(range(1, 42)))
+    for end in (8, 16, 24, 32, 40, 41):  # chunked prefill: blocks out of the window go (cached) as it runs
+        blocks.allocate(first, end)
+        blocks.register_full(first, first.num_computed_tokens, end)
+        first.num_computed_tokens = end
+    assert first.block_tables[1][:7] == [PLACEHOLDER] * 7 and window.num_used == 4 and full.num_used == 11
+    blocks.free(first)
+    again = make_seq(1, list(range(1, 42)) + [99])
+    expected = blocks.cached_prefix(again)
+    assert expected.num_blocks == 10 and expected.tables[1][:7] == [PLACEHOLDER] * 7
+    # another sequence takes every free window block and evicts the 7 released first: the early ones
+    window.allocate(make_seq(2, list(range(500, 552))), 13 * BS)
+    assert window.num_evictions == 7 and window.num_cached == 3
+    hit = blocks.cached_prefix(again)
+    assert hit == expected
+    blocks.share(again, hit)
+    assert [window.ref_count(b) for b in held_blocks(again.block_tables[1])] == [1, 1, 1]
+    assert [full.ref_count(b) for b in again.block_tables[0]] == [1] * 10
+
+
+def held_blocks(table: list[int]) -> list[int]:
+    return [b for b in table if b != PLACEHOLDER]
 
 
 # scheduler

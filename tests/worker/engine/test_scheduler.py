@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_manager import BlockManager
+from worker.engine.block_manager import BlockCoordinator, BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import RequestTimings
 from worker.engine.sampling_params import SamplingParams
@@ -90,3 +90,39 @@ def test_decode_without_free_block_preempts_newest() -> None:
     assert out.decodes == [old] and out.preempted == [new]
     assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
     assert sched.num_waiting == 1
+
+
+def test_admission_growth_and_preemption_span_every_kv_group() -> None:
+    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4)
+    full = BlockManager(num_blocks=100, block_size=4)
+    window = BlockManager(num_blocks=6, block_size=4, window=6, group=1)  # a query reads 2 blocks back
+    sched = Scheduler(config, BlockCoordinator([full, window]))
+    seqs = [make_seq(i, 12) for i in range(3)]
+    for seq in seqs:
+        seq.params.max_tokens = 16
+        sched.add(seq)
+    out = sched.schedule()
+    # the window pool (6 blocks, 1 kept in reserve) cuts the second prompt's chunk and holds back the third;
+    # the full pool has room for all
+    assert [(c.seq, c.start, c.num_tokens) for c in out.prefills] == [(seqs[0], 0, 12), (seqs[1], 0, 8)]
+    assert full.num_used == window.num_used == 5
+    preempted = []
+    while sched.has_unfinished():  # as the engine would after each step
+        out = sched.schedule()
+        preempted += out.preempted
+        for seq in out.preempted:
+            assert seq.block_tables == [[], []] and seq.num_computed_tokens == 0
+        for seq in out.decodes:
+            seq.num_computed_tokens += 1
+        for chunk in out.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+        for seq in [*out.decodes, *(c.seq for c in out.prefills if c.samples)]:
+            seq.output_token_ids.append(9)
+            if len(seq.output_token_ids) == seq.params.max_tokens:
+                sched.remove_finished(seq)
+        assert window.num_used <= 6 and full.peak_used < 100
+        # every sequence's tables have one length, one entry per block of positions
+        assert all(len(s.block_tables[0]) == len(s.block_tables[1]) for s in sched.running)
+    assert preempted, "the window pool was meant to be too small for all three"
+    assert all(len(s.output_token_ids) == 16 for s in seqs)
+    assert full.num_free == 100 and window.num_free == 6

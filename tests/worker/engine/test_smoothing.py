@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from worker.engine.loader import load_checkpoint
-from worker.engine.model import LlamaModel
+from worker.engine.model import DecoderModel
 from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, prefill, smooth_tensors
+from worker.engine.weights import canonical_tensors
 
 
-def float_model(checkpoint, tensors) -> LlamaModel:
-    return LlamaModel(checkpoint.config, tensors, torch.float32, None, torch.device("cpu"), max_positions=512)
+def float_model(checkpoint, tensors) -> DecoderModel:
+    return DecoderModel(checkpoint.config, tensors, torch.float32, None, torch.device("cpu"), max_positions=512)
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -19,11 +20,12 @@ def test_smoothing_leaves_the_float_model_unchanged(model_dir, request) -> None:
     checkpoint = load_checkpoint(str(request.getfixturevalue(model_dir)))
     ids = calibration_token_ids(checkpoint.tokenizer, 200)
     assert len(ids) == 200  # the shipped text is long enough
-    original = float_model(checkpoint, checkpoint.tensors)
+    tensors = canonical_tensors(checkpoint.config, checkpoint.tensors)
+    original = float_model(checkpoint, tensors)
     maxima = measure_input_maxima(original, ids)
     assert len(maxima.down) == checkpoint.config.num_layers
-    smoothed_tensors = smooth_tensors(checkpoint.config, checkpoint.tensors, maxima)
-    assert any(not torch.equal(smoothed_tensors[k], checkpoint.tensors[k]) for k in checkpoint.tensors)
+    smoothed_tensors = smooth_tensors(checkpoint.config, tensors, maxima)
+    assert any(not torch.equal(smoothed_tensors[k], tensors[k]) for k in tensors)
     probe = list(range(50, 130))
     want = original.logits(prefill(original, probe))
     smoothed = float_model(checkpoint, smoothed_tensors)
@@ -36,8 +38,9 @@ def test_smoothing_narrows_the_down_projection_input(smollm2_path) -> None:
     to the typical one, which is what per-token INT8 scales need."""
     checkpoint = load_checkpoint(str(smollm2_path))
     ids = calibration_token_ids(checkpoint.tokenizer, 256)
-    before = measure_input_maxima(float_model(checkpoint, checkpoint.tensors), ids)
-    smoothed = float_model(checkpoint, smooth_tensors(checkpoint.config, checkpoint.tensors, before))
+    tensors = canonical_tensors(checkpoint.config, checkpoint.tensors)
+    before = measure_input_maxima(float_model(checkpoint, tensors), ids)
+    smoothed = float_model(checkpoint, smooth_tensors(checkpoint.config, tensors, before))
     after = measure_input_maxima(smoothed, ids)
 
     def spread(maxima: list[torch.Tensor]) -> float:  # largest channel over the median one, worst layer

@@ -1,0 +1,98 @@
+"""Every supported family against transformers itself, on tiny random-weight models of the family's own
+config class: float32 greedy tokens identical to `generate` (prefix caching and speculation on and off,
+whole and chunked prefill), prefill logits close, and the reduced-precision paths within a bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.worker.engine.families import FAMILIES, WINDOW, build_family
+from worker.engine import LLM, SamplingParams
+from worker.engine.loader import load_checkpoint
+from worker.engine.model import DecoderModel
+from worker.engine.smoothing import prefill
+from worker.engine.weights import canonical_tensors
+
+NEW_TOKENS = 64
+EXACT = dict(dtype="float32", quantization=None, kv_cache_dtype="auto", max_num_seqs=16, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny model folder named after its family."""
+    name = request.param
+    return build_family(FAMILIES[name], tmp_path_factory.mktemp(f"tiny_{name}") / name, smollm2_path)
+
+
+def family_prompts() -> list[list[int]]:
+    """Prompts of different lengths, most longer than the window; two share a 48-token prefix (prefix
+    caching); one repeats itself."""
+    gen = torch.Generator().manual_seed(7)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(100, 49000, (n,), generator=gen).tolist()
+
+    shared = tokens(48)
+    return [tokens(9), tokens(30), shared + tokens(20), shared + tokens(37), tokens(13) * 6, tokens(100)]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        outs.append(ids[0, len(prompt) :].tolist())
+    return outs
+
+
+def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    return [o.output_token_ids for o in llm.generate(prompts, params)]
+
+
+def test_float32_greedy_tokens_match_transformers(family_dir: Path) -> None:
+    prompts = family_prompts()
+    # P + G + P, G being the model's own continuation of P: the drafter finds G after the first P
+    start = prompts[0]
+    prompts.append(start + hf_greedy(family_dir, [start], 24)[0] + start)
+    want = hf_greedy(family_dir, prompts, NEW_TOKENS)
+    runs = {
+        "plain": dict(enable_prefix_caching=False, enable_speculation=False),
+        "prefix caching": dict(enable_prefix_caching=True, enable_speculation=False),
+        "speculation": dict(enable_prefix_caching=False, enable_speculation=True, speculation_max_rows=64),
+        "both, chunked prefill": dict(enable_prefix_caching=True, enable_speculation=True, speculation_max_rows=64,
+                                      max_num_batched_tokens=40),
+    }
+    for run, options in runs.items():
+        llm = LLM(str(family_dir), **EXACT, **options)
+        if llm.engine.speculator is not None:
+            llm.engine.speculator.min_ngram = 1  # more (often rejected) drafts exercise verification more
+        got = greedy(llm, prompts, NEW_TOKENS)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"{family_dir.name}, {run}: prompt {i} ({len(prompts[i])} tokens) differs at token " \
+                f"{next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)}"
+        if run == "speculation" and llm.engine.speculator is not None:
+            assert llm.stats.draft_tokens > 0, "the repetitive prompt should have drafted"
+
+
+def test_prefill_logits_match_transformers(family_dir: Path) -> None:
+    checkpoint = load_checkpoint(str(family_dir))
+    model = DecoderModel(checkpoint.config, canonical_tensors(checkpoint.config, checkpoint.tensors),
+                         torch.float32, None, torch.device("cpu"), max_positions=256)  # fmt: skip
+    prompt = family_prompts()[-1]
+    got = model.logits(prefill(model, prompt))
+    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    # float32 throughout; the products are blocked differently from transformers', so not bit-equal
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    if FAMILIES[family_dir.name].windowed:
+        assert len(prompt) > 2 * WINDOW

@@ -52,7 +52,7 @@ class EngineCollector(Collector):
         yield _gauge(
             "freight_worker_waiting_requests", "Requests waiting or preempted", engine.scheduler.num_waiting
         )
-        used, total = engine.blocks.num_used, engine.blocks.num_blocks
+        used, total = engine.kv_blocks.num_used, engine.kv_blocks.num_blocks  # every KV group, memory-weighted
         yield _gauge("freight_worker_kv_cache_blocks_used", "KV-cache blocks in use", used)
         yield _gauge("freight_worker_kv_cache_blocks", "KV-cache blocks in all", total)
         yield _gauge(

@@ -1,0 +1,49 @@
+"""The engine on the real Gemma 3 270M (pulled from its PyPI chunk wheels): float32 greedy tokens equal to
+transformers' own, and the INT8 default path's perplexity close to float32 (the full comparison, on
+longer texts, is scripts/perplexity.py; figures in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+COMPLETIONS = ["Question: What is the capital of France?\nAnswer:", "The history of the Roman Empire begins",
+               "def fibonacci(n):"]  # fmt: skip
+
+
+def test_float32_greedy_matches_transformers_and_answers(gemma3_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gemma3_path), dtype="float32", quantization=None, kv_cache_dtype="auto", max_num_seqs=8,
+              num_kv_blocks=64)  # fmt: skip
+    prompts = [llm.tokenizer.encode(t) for t in COMPLETIONS]
+    got = [o.output_token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert tokens == ids[0, len(prompt) :].tolist()
+    assert "Paris" in llm.tokenizer.decode(got[0])
+
+
+def test_int8_perplexity_close_to_float32_past_the_window(gemma3_path) -> None:
+    text = "\n".join(
+        f"Section {i}. The river town kept its records in a ledger: harvests, floods, the names of ferrymen "
+        f"and the price of salt in year {1800 + i}." for i in range(40)
+    )  # fmt: skip
+    scores = {}
+    for name, options in {"float32": dict(dtype="float32", quantization=None, kv_cache_dtype="auto"),
+                          "int8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8")}.items():  # fmt: skip
+        llm = LLM(str(gemma3_path), max_num_seqs=4, num_kv_blocks=128, **options)
+        ids = llm.tokenizer.encode(text)
+        assert len(ids) > 2 * 512  # past the local layers' window
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
+        scores[name] = math.exp(-sum(out.prompt_logprobs) / len(out.prompt_logprobs))
+    print(f"gemma3-270m perplexity: float32 {scores['float32']:.3f}, W8A8 + INT8 KV {scores['int8']:.3f}")
+    assert scores["int8"] <= scores["float32"] * 1.05

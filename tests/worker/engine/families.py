@@ -31,23 +31,14 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from tests.conftest import TINY_SHAPE
+
 WINDOW = 24  # shorter than most test prompts, and not a multiple of the 16-token block
 
-# Shape shared by the tiny models; the vocabulary and special ids are SmolLM2's.
-BASE = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    # wider than the 0.02 default so logits spread out: greedy choices are not near-ties that flip with rounding
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
+# conftest's tiny shape (SmolLM2's vocabulary and special ids, wide initialisation), deeper and with each
+# family's own rope settings
+BASE = {k: v for k, v in TINY_SHAPE.items() if k != "rope_parameters"} | dict(
+    intermediate_size=96, num_hidden_layers=4, max_position_embeddings=1024
 )
 LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 

@@ -89,6 +89,22 @@ def _acquire(lock_file: IO[str], module_name: str, wait_s: float) -> None:
             time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def _pinned_ninja() -> Iterator[None]:
+    """torch runs whichever `ninja` PATH finds first. Ninja versions keep different build logs, and one that
+    reads another's log discards it and rebuilds everything (minutes per kernel): a build started from the
+    venv's `freight` (venv bin first on PATH) and one from plain `python` (the system's ninja) would rebuild
+    each other's. So every build runs the ninja of the `ninja` package, a dependency, whatever PATH says."""
+    import ninja
+
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | None:
     """The compiled module for csrc/`source` at the active ISA tier, or None when it cannot be built here.
 
@@ -101,7 +117,7 @@ def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | 
     try:
         from torch.utils.cpp_extension import load
 
-        with _build_lock(f"{name}_{tier}"):
+        with _build_lock(f"{name}_{tier}"), _pinned_ninja():
             return load(
                 name=f"{name}_{tier}",
                 sources=[str(CSRC / source)],

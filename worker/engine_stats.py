@@ -46,6 +46,7 @@ def shard_stats(before: StatsSnapshot, after: EngineStats, max_points: int) -> d
     engine: dict[str, Any] = _spent(before, after, timeline)
     engine["num_kv_blocks"] = after.num_kv_blocks
     engine["tier"], engine["paths"] = after.tier, dict(after.paths)  # the machine and op paths it ran on
+    engine["parameters"], engine["active_parameters"] = after.parameters, after.active_parameters
     if len(timeline) > max_points:
         stride = -(-len(timeline) // max_points)
         timeline = timeline[::stride]

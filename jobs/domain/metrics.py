@@ -37,6 +37,9 @@ def compute_metrics(
     device_seconds = totals["busy_seconds"]
     total_tokens = prompt_tokens + output_tokens
     cost = device_seconds / 3600.0 * settings.device_hour_usd
+    parameters, active = _model_parameters(shards)
+    # every token through the model, rejected drafts included (they ran but left no KV)
+    run_tokens = totals["computed_tokens"] + totals["draft_tokens"] - totals["accepted_draft_tokens"]
     return {
         "rows": job.num_rows,
         "rows_completed": counts["completed"],
@@ -61,6 +64,9 @@ def compute_metrics(
         "mean_batch_size": round(totals["batch_size_sum"] / totals["steps"], 2) if totals["steps"] else 0.0,
         "peak_kv_utilization": round(peak_kv, 4),
         "preemptions": int(totals["preemptions"]),
+        "model_parameters": parameters,
+        "active_parameters": active,
+        "model_flops": int(2 * active * run_tokens),
         "shards": len(shards),
         "execution": _execution(shards),
         **_summary_metrics(session, job),
@@ -82,6 +88,14 @@ def _engine_totals(session: Session, job_id: str, shards: list[Shard]) -> tuple[
                 totals[name] += float(engine.get(name, 0))
         peak_kv = max(peak_kv, float(engine.get("peak_kv_utilization", 0.0)))
     return totals, peak_kv
+
+
+def _model_parameters(shards: list[Shard]) -> tuple[int, int]:
+    """The served model's parameters, total and active per token, as the shards' engines counted them (a
+    job runs on one model; shards finished before engines recorded them count 0)."""
+    engines = [(shard.stats or {}).get("engine", {}) for shard in shards]
+    return (max((int(e.get("parameters", 0)) for e in engines), default=0),
+            max((int(e.get("active_parameters", 0)) for e in engines), default=0))  # fmt: skip
 
 
 def _execution(shards: list[Shard]) -> list[dict[str, Any]]:

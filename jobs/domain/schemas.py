@@ -230,6 +230,13 @@ class JobMetrics(BaseModel):
     mean_batch_size: float
     peak_kv_utilization: float
     preemptions: int
+    model_parameters: int = Field(0, description="the model's parameters")
+    active_parameters: int = Field(
+        0, description="parameters one token runs through: a mixture of experts counts its top-k experts only"
+    )
+    model_flops: int = Field(
+        0, description="matrix-product FLOPs spent, estimated as 2 x active_parameters x tokens run (attention not counted)"
+    )
     shards: int
     execution: list[ShardExecution] = Field(
         default_factory=list, description="the CPU tier (or cuda) and per-op paths the shards ran on"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -55,3 +56,18 @@ def test_a_live_build_is_waited_for_but_not_for_ever() -> None:
         holder.wait()
     with _build_lock(name, wait_s=10.0):  # the holder's death released it
         pass
+
+
+LOAD = "from kernels import cpu_int8_small_batch; assert cpu_int8_small_batch.available()"
+
+
+def test_callers_with_different_paths_share_one_build() -> None:
+    """A ninja that finds another version's build log rebuilds everything: a `freight` started with the venv's
+    bin first on PATH and a plain `python` with the system's first must share one ninja (and one build)."""
+    build = Path(_get_build_directory(f"freight_int8_small_batch_cpu_{active_tier()}", verbose=False))
+    venv_bin = str(Path(sys.executable).parent)
+    built = (build / "int8_small_batch_cpu.o").stat().st_mtime_ns
+    for path in ("/usr/bin:/bin", f"{venv_bin}:/usr/bin:/bin", "/usr/bin:/bin"):
+        env = {k: v for k, v in os.environ.items() if k != "PATH"} | {"PATH": path}
+        subprocess.run([sys.executable, "-c", LOAD], check=True, env=env, timeout=300)
+        assert (build / "int8_small_batch_cpu.o").stat().st_mtime_ns == built, f"rebuilt with PATH={path}"

@@ -11,7 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import faulthandler
 import sys
-faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where it is in the failure message
+faulthandler.dump_traceback_later(400, exit=True)  # before the test's timeout: a hang shows where it is
 sys.modules["triton"] = None  # makes `import triton` raise ImportError, as when it is not installed
 import torch
 import kernels

@@ -24,6 +24,7 @@ from storage.result_store import insert_results
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
 from tests.worker.contexts import worker_context
+from worker.engine.parameters import parameter_counts
 from worker.engine_stats import COUNTERS
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
@@ -228,3 +229,8 @@ def test_the_cost_of_a_failed_attempt_stays_in_the_job_metrics(
     assert metrics["device_seconds"] == pytest.approx(spent["busy_seconds"], abs=1e-4)
     assert metrics["device_seconds"] > engine["busy_seconds"]
     assert metrics["mean_batch_size"] == round(spent["batch_size_sum"] / spent["steps"], 2)
+    # the FLOPs follow every attempt's tokens, at the model's active parameters (a dense model: all of them)
+    counts = parameter_counts(pool.loaded.engine.model_config)
+    assert metrics["model_parameters"] == engine["parameters"] == counts.total == metrics["active_parameters"]
+    run_tokens = spent["computed_tokens"] + spent["draft_tokens"] - spent["accepted_draft_tokens"]
+    assert metrics["model_flops"] == 2 * counts.active * run_tokens > 0

@@ -13,6 +13,7 @@ from worker.engine.invariance import invariant_block_rows, wide_block_rows
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import DecoderModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
+from worker.engine.parameters import parameter_counts
 from worker.engine.path_plan import plan_cpu_kernels, plan_for
 from worker.engine.sampler import apply_min_tokens, token_logprobs
 from worker.engine.sampling_params import SamplingParams
@@ -90,8 +91,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_blocks)
         self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
         # KV use in blocks of every layer (a window group's blocks weigh its share of the layers)
+        counts = parameter_counts(self.model_config)
         self.stats = EngineStats(
-            num_kv_blocks=self.kv_blocks.num_blocks, tier=self.plan.tier, paths=self.plan.paths()
+            num_kv_blocks=self.kv_blocks.num_blocks, tier=self.plan.tier, paths=self.plan.paths(),
+            parameters=counts.total, active_parameters=counts.active,
         )
         self._recorder = StatsRecorder(self.stats)
         eos = set(self.model_config.eos_token_ids)

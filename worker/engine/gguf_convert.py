@@ -7,6 +7,8 @@ then loads like any HF checkpoint, without GGUF code on the hot path.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,38 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     folder, file_name = str(gguf_path.parent), gguf_path.name
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.float32)
+    with _one_parse_per_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.float32)
+        _write(gguf_path, out_dir, model, tokenizer)
+
+
+@contextlib.contextmanager
+def _one_parse_per_file() -> Iterator[None]:
+    """transformers parses the whole GGUF file for the tokenizer, again for the config and again for the
+    weights, and _fix_gemma3 reads it too: a Gemma 3 file's 262k vocabulary strings take ~30 s per parse on
+    two cores. Within this block one reader per file serves every caller (transformers imports
+    gguf.GGUFReader at call time, so it finds the shared one). The reader is read-only once built."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str | Path, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _write(gguf_path: Path, out_dir: Path, model: Any, tokenizer: Any) -> None:
+    """The folder: float32 safetensors, then config, generation config and tokenizer, fixed where needed."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
@@ -109,16 +141,16 @@ def _fix_gemma3(gguf_path: Path, config: Any, generation_config: Any, tokenizer:
     global (layer_types), query_pre_attn_scalar 256 (= head_dim; only 27B differs), no logit
     softcapping. The norm weights, stored by llama.cpp as 1 + w, are shifted back on load.
     """
-    from gguf import GGUFReader, GGUFValueType
+    import gguf
 
-    fields = GGUFReader(gguf_path).fields
+    fields = gguf.GGUFReader(gguf_path).fields  # the shared reader (_one_parse_per_file)
 
     def scalar(key: str) -> Any:
         field = fields.get(key)
         if field is None:
             return None
         value = field.parts[field.data[0]]
-        return bytes(value).decode() if field.types[0] == GGUFValueType.STRING else value[0].item()
+        return bytes(value).decode() if field.types[0] == gguf.GGUFValueType.STRING else value[0].item()
 
     # 1. End of turn: llama.cpp writes one eos id (<eos>, 1), but a chat answer ends with
     # <end_of_turn> (106); Google's config.json and generation_config.json list both, [1, 106].

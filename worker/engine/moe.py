@@ -105,28 +105,3 @@ def naive_moe(
             gate, up = (gate_up[e].double() @ x64[t]).chunk(2)
             out[t] += w * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
     return out
-
-
-def parameter_counts(config) -> dict[str, int]:
-    """Parameters of a ModelConfig's decoder: "total", and "active" per token (the top-k experts of each sparse
-    layer instead of all of them; attention, norms, dense MLPs, embeddings and LM head as they are). A dense
-    model's two are equal. Per-token cost estimates (FLOPs ~ 2 * active) should use "active"."""
-    h, d = config.hidden_size, config.head_dim
-    attention = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
-    if config.attention_bias:
-        attention += (config.num_heads + 2 * config.num_kv_heads) * d
-    norms = 2 * h + (2 * d if config.qk_norm else 0) + (2 * h if config.sandwich_norms else 0)
-    expert = 3 * h * config.moe_intermediate_size
-    total = active = (
-        config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + h
-    )  # embed, head, final norm
-    for layer in range(config.num_layers):
-        total += attention + norms
-        active += attention + norms
-        if config.is_sparse(layer):
-            total += config.num_experts * (expert + h)  # experts and router rows
-            active += config.num_experts_per_tok * expert + config.num_experts * h
-        else:
-            total += 3 * h * config.intermediate_size
-            active += 3 * h * config.intermediate_size
-    return {"total": total, "active": active}

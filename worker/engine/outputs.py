@@ -51,6 +51,8 @@ class EngineStats:
     timeline: list[dict[str, float]] = field(default_factory=list)  # bounded samples over time
     tier: str = ""  # CPU ISA tier (kernels/platform.py) or "cuda"
     paths: dict[str, str] = field(default_factory=dict)  # op -> path the engine runs (path_plan.py)
+    parameters: int = 0  # the model's (parameters.py)
+    active_parameters: int = 0  # those one token runs through (top-k experts of a MoE layer)
 
     @property
     def mean_running_batch_size(self) -> float:
@@ -78,4 +80,6 @@ class EngineStats:
             "busy_seconds": round(self.busy_seconds, 4),
             "tier": self.tier,
             "paths": dict(self.paths),
+            "parameters": self.parameters,
+            "active_parameters": self.active_parameters,
         }

@@ -60,6 +60,7 @@ class Family:
     model_class: type
     options: dict[str, Any]
     windowed: bool = False
+    sparse: bool = False  # mixture of experts
 
 
 FAMILIES = {
@@ -97,10 +98,10 @@ FAMILIES = {
         Family("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
             head_dim=32, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2],
-        )),
+        ), sparse=True),
         Family("mixtral", MixtralConfig, MixtralForCausalLM, dict(
             head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-        ), windowed=True),
+        ), windowed=True, sparse=True),
     ]
 }  # fmt: skip
 

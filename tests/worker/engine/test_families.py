@@ -14,6 +14,7 @@ from tests.worker.engine.families import FAMILIES, WINDOW, build_family
 from worker.engine import LLM, SamplingParams
 from worker.engine.loader import load_checkpoint
 from worker.engine.model import DecoderModel
+from worker.engine.parameters import parameter_counts
 from worker.engine.smoothing import prefill
 from worker.engine.weights import canonical_tensors
 
@@ -64,12 +65,12 @@ def test_float32_greedy_tokens_match_transformers(family_dir: Path) -> None:
     start = prompts[0]
     prompts.append(start + hf_greedy(family_dir, [start], 24)[0] + start)
     want = hf_greedy(family_dir, prompts, NEW_TOKENS)
+    # each feature off, then all on together (a prefix hit, drafts and prefill chunks in the same steps)
     runs = {
         "plain": dict(enable_prefix_caching=False, enable_speculation=False),
-        "prefix caching": dict(enable_prefix_caching=True, enable_speculation=False),
-        "speculation": dict(enable_prefix_caching=False, enable_speculation=True, speculation_max_rows=64),
-        "both, chunked prefill": dict(enable_prefix_caching=True, enable_speculation=True, speculation_max_rows=64,
-                                      max_num_batched_tokens=40),
+        "prefix caching, speculation, chunked prefill": dict(
+            enable_prefix_caching=True, enable_speculation=True, speculation_max_rows=64, max_num_batched_tokens=40
+        ),
     }
     for run, options in runs.items():
         llm = LLM(str(family_dir), **EXACT, **options)
@@ -79,8 +80,17 @@ def test_float32_greedy_tokens_match_transformers(family_dir: Path) -> None:
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"{family_dir.name}, {run}: prompt {i} ({len(prompts[i])} tokens) differs at token " \
                 f"{next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)}"
-        if run == "speculation" and llm.engine.speculator is not None:
+        if llm.engine.speculator is not None:
             assert llm.stats.draft_tokens > 0, "the repetitive prompt should have drafted"
+        if options["enable_prefix_caching"]:
+            assert llm.stats.cached_prompt_tokens > 0, "the prompts sharing a prefix should have hit the cache"
+
+
+def test_parameter_counts_match_transformers(family_dir: Path) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32)
+    counts = parameter_counts(load_checkpoint(str(family_dir)).config)
+    assert counts.total == sum(p.numel() for p in hf.parameters())
+    assert (counts.active < counts.total) == FAMILIES[family_dir.name].sparse
 
 
 def test_prefill_logits_match_transformers(family_dir: Path) -> None:

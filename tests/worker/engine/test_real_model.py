@@ -34,11 +34,11 @@ def llm_fp32(smollm2_path) -> LLM:
 def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    prompts = chat_prompts(llm_fp32.tokenizer, start=0, n=32, max_len=384)
+    prompts = chat_prompts(llm_fp32.tokenizer, start=0, n=20, max_len=384)
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] < 64 and lengths[-1] > 200, f"want mixed lengths, got {lengths}"
-    # 32 new tokens: transformers' one-prompt-at-a-time generate is most of this test's time on AVX2
-    outs = llm_fp32.generate(prompts, SamplingParams(max_tokens=32))  # all 32 in one call
+    # 20 prompts, 32 new tokens: transformers' one-prompt-at-a-time generate is most of this test's time
+    outs = llm_fp32.generate(prompts, SamplingParams(max_tokens=32))  # all in one call
     assert llm_fp32.stats.padding_tokens == 0
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
@@ -49,15 +49,15 @@ def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), generation_config=gen_config)[0, len(prompt):].tolist()
         matches += out.output_token_ids == ref
-    print(f"greedy parity with transformers: {matches}/32 prompts, lengths {lengths[0]}..{lengths[-1]}")
-    assert matches >= 30
+    print(f"greedy parity with transformers: {matches}/20 prompts, lengths {lengths[0]}..{lengths[-1]}")
+    assert matches >= 19
 
 
 def test_batch_invariance(llm_fp32: LLM) -> None:
     prompts = chat_prompts(llm_fp32.tokenizer, start=200, n=64, max_len=256)
     params = SamplingParams(max_tokens=32)
     batched = llm_fp32.generate(prompts, params)
-    for i in range(0, 64, 8):  # eight of them alone
+    for i in range(0, 64, 16):  # four of them alone
         alone = llm_fp32.generate([prompts[i]], params)[0]
         assert alone.output_token_ids == batched[i].output_token_ids, f"prompt {i} differs alone vs in a batch of 64"
 

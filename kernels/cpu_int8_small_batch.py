@@ -46,17 +46,36 @@ def _modules() -> tuple[ModuleType, ModuleType]:
     return product, passes
 
 
-def int8_product(x_q: torch.Tensor, w_q: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
+def seven_bit_row_sums(w_q: torch.Tensor) -> torch.Tensor | None:
+    """w_q [N, K] int8 -> its row sums [N] int32 where every code is within [-63, 63] (the oneDNN backend's
+    codes without VNNI), else None. With them the AVX2 product takes its unsigned-activation form (the
+    kernel's header); computed once per weight, at load."""
+    if w_q.dtype != torch.int8 or w_q.dim() != 2:
+        raise ValueError(f"w_q must be a 2-D int8 tensor, got {w_q.dtype} {tuple(w_q.shape)}")
+    if w_q.numel() and int(w_q.abs().max()) > 63:
+        return None
+    return w_q.sum(dim=1, dtype=torch.int32).contiguous()
+
+
+def int8_product(
+    x_q: torch.Tensor, w_q: torch.Tensor, amx: bool | None = None, w_sums: torch.Tensor | None = None
+) -> torch.Tensor:
     """x_q [M, K] int8, w_q [N, K] int8 (codes in [-127, 127]) -> x_q @ w_q.T as [M, N] int32, exact.
-    amx: on AMX tiles (where K is a multiple of 64; the same integers); None: where amx_enabled()."""
+    amx: on AMX tiles (where K is a multiple of 64; the same integers); None: where amx_enabled().
+    w_sums: seven_bit_row_sums(w_q), only for codes within [-63, 63] (the same integers, faster on AVX2)."""
     for name, t in (("x_q", x_q), ("w_q", w_q)):
         if t.dtype != torch.int8 or t.dim() != 2 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a 2-D int8 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     if x_q.shape[1] != w_q.shape[1]:
         raise ValueError(f"x_q is [M, K] = {list(x_q.shape)} but w_q is [N, K] = {list(w_q.shape)}")
+    if w_sums is not None and (w_sums.dtype != torch.int32 or tuple(w_sums.shape) != (w_q.shape[0],)):
+        raise ValueError(f"w_sums must be int32 [{w_q.shape[0]}], got {w_sums.dtype} {tuple(w_sums.shape)}")
     out = torch.empty((x_q.shape[0], w_q.shape[0]), dtype=torch.int32)
     # amx=True where the CPU has no AMX is refused by the kernel (RuntimeError)
-    _modules()[0].product(x_q.contiguous(), w_q.contiguous(), out, amx_enabled() if amx is None else amx)
+    _modules()[0].product(
+        x_q.contiguous(), w_q.contiguous(), out, amx_enabled() if amx is None else amx,
+        None if w_sums is None else w_sums.contiguous(),
+    )  # fmt: skip
     return out
 
 
@@ -77,6 +96,7 @@ def int8_linear_small_batch(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # default x.dtype
     residual: torch.Tensor | None = None,  # [M, N]: added to the output
+    w_sums: torch.Tensor | None = None,  # seven_bit_row_sums(w_q), for 7-bit codes
 ) -> torch.Tensor:  # [M, N] = x @ w.T (+ bias) (+ residual), in out_dtype
     out_dtype = _check(x, w_q, w_scale, out_dtype)
     M, N = x.shape[0], w_q.shape[0]
@@ -87,7 +107,7 @@ def int8_linear_small_batch(
     x_q, x_scale = cpu_int8_linear.quantize_per_token_cpu(x)
     out = torch.empty((M, N), dtype=out_dtype)
     _modules()[1].dequantize_rows(
-        int8_product(x_q, w_q), x_scale, w_scale.contiguous(),
+        int8_product(x_q, w_q, w_sums=w_sums), x_scale, w_scale.contiguous(),
         None if bias is None else bias.to(out_dtype).contiguous(),
         None if residual is None else residual.to(out_dtype), out,
     )  # fmt: skip
@@ -99,13 +119,14 @@ def int8_linear_silu_mul_small_batch(
     w_q: torch.Tensor,  # [2 * I, K] int8 codes: gate rows, then up rows
     w_scale: torch.Tensor,  # [2 * I] float32
     out_dtype: torch.dtype | None = None,  # default x.dtype
+    w_sums: torch.Tensor | None = None,  # seven_bit_row_sums(w_q), for 7-bit codes
 ) -> torch.Tensor:  # [M, I] = silu(x @ w_gate.T) * (x @ w_up.T), in out_dtype
     out_dtype = _check(x, w_q, w_scale, out_dtype)
     if w_q.shape[0] % 2:
         raise ValueError(f"the gate/up weight must have 2 * I rows (gate, then up), got N = {w_q.shape[0]}")
     half = w_q.shape[0] // 2
     x_q, x_scale = cpu_int8_linear.quantize_per_token_cpu(x)
-    acc = int8_product(x_q, w_q)  # [M, 2 * I] int32
+    acc = int8_product(x_q, w_q, w_sums=w_sums)  # [M, 2 * I] int32
     out = torch.empty((x.shape[0], half), dtype=out_dtype)
     _modules()[1].dequantize_silu_mul(
         acc[:, :half], acc[:, half:], x_scale, w_scale[:half].contiguous(), w_scale[half:].contiguous(), out

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from worker.bench.sharegpt import first_human_turns
-from worker.engine import LLM, SamplingParams
+from worker.bench.perplexity import freight_perplexity, texts_for
+from worker.engine import LLM
 from worker.engine.loader import resolve_model_path
 
 PATHS = {
@@ -25,25 +25,6 @@ PATHS = {
     "freight W8A8 + INT8 KV (float32 activations)": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
     "freight defaults": dict(),
 }
-
-
-def texts_for(tokenizer, n: int, min_len: int, max_len: int, start: int = 3000) -> list[list[int]]:
-    texts: list[list[int]] = []
-    for _, text in first_human_turns(start, 20 * n):
-        ids = tokenizer.encode(text)[:max_len]
-        if len(ids) >= min_len:
-            texts.append(ids)
-        if len(texts) == n:
-            break
-    return texts
-
-
-def freight_perplexity(llm: LLM, texts: list[list[int]]) -> float:
-    outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=True))
-    logprobs = [lp for o in outs for lp in o.prompt_logprobs]
-    if len(logprobs) != sum(len(t) - 1 for t in texts):
-        raise RuntimeError("a text was not scored whole")
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 @torch.inference_mode()

@@ -59,6 +59,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     pull.add_argument("alias")
     pull.add_argument("--cache-dir", help="default: FREIGHT_HOME/models")
     pull.set_defaults(handler=cmd_models_pull)
+    check = model_commands.add_parser(
+        "check", help="whether the engine runs a model (alias, HF folder or .gguf): its family, shape, parameters"
+    )
+    check.add_argument("model")
+    check.add_argument("--cache-dir", help="default: FREIGHT_HOME/models")
+    check.set_defaults(handler=cmd_models_check)
 
     doctor = commands.add_parser(
         "doctor", help="this machine (CPU tier, extensions, torch, CUDA) and the path the engine takes per op"
@@ -219,6 +225,18 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     from worker.commands import models_pull
 
     print(models_pull(args.alias, args.cache_dir))
+    return 0
+
+
+def cmd_models_check(args: argparse.Namespace) -> int:
+    from worker.commands import models_check
+
+    try:
+        lines = models_check(args.model, args.cache_dir)
+    except ValueError as exc:
+        print(f"freight models check: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
     return 0
 
 

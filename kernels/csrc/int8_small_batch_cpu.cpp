@@ -11,6 +11,12 @@
 // (s8, |.| <= 127), so each int16 pair sum is at most 2 * 127 * 127 = 32258 and never saturates, with
 // full-range weight codes as well as the 7-bit codes of the oneDNN backend.
 //
+// With 7-bit weight codes (|w| <= 63: the oneDNN backend's without VNNI, whose codes this kernel shares) the
+// AVX2 loop needs no sign trick: the activations enter shifted to unsigned once per call (x + 128, <= 255), so
+// vpmaddubsw multiplies them by the weights as they are (pair sums <= 2 * 255 * 63 = 32130, exact) and
+// 128 * sum(w) (per weight row, summed at load) comes off at the end: 3 instructions per 32 multiply-adds
+// instead of 4, and no |x| per load. The caller passes those row sums only for 7-bit codes.
+//
 // With AVX-512 VNNI (the avx512 tier) a tile of 4 weight rows x 4 activation rows is kept in 16 zmm
 // accumulators and fed 64 bytes per vpdpbusd, which multiplies u8 by s8: the weights enter shifted to
 // unsigned (w + 128, one xor per weight load, shared by the tile's activation rows) and 128 * sum(x) is
@@ -108,6 +114,40 @@ void tile4(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t K,
     for (int r = 0; r < 4; ++r) out[m * N + n + r] = sums[r] + dot_generic(xm, rows[r], k_vec, K);
   }
 }
+
+// tile4 for 7-bit weight codes: xu = x + 128 as u8 (see the top), w_sums[n] = sum_k w[n, k].
+void tile4_u8(const uint8_t* xu, const int8_t* w, const int32_t* w_sums, int32_t* out, int64_t M, int64_t K,
+              int64_t N, int64_t n) {
+  const int64_t k_vec = K - K % 32;
+  const int8_t* w0 = w + n * K;
+  const int8_t* w1 = w0 + K;
+  const int8_t* w2 = w1 + K;
+  const int8_t* w3 = w2 + K;
+  const int8_t* rows[4] = {w0, w1, w2, w3};
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint8_t* xm = xu + m * K;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < k_vec; k += 32) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + k));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
+          _mm256_maddubs_epi16(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k))), ones));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(
+          _mm256_maddubs_epi16(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + k))), ones));
+      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(
+          _mm256_maddubs_epi16(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w2 + k))), ones));
+      a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(
+          _mm256_maddubs_epi16(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w3 + k))), ones));
+    }
+    alignas(16) int32_t sums[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sums), reduce4(a0, a1, a2, a3));
+    for (int r = 0; r < 4; ++r) {
+      int32_t tail = 0;  // the last K % 32 columns, shifted like the rest
+      for (int64_t k = k_vec; k < K; ++k) tail += static_cast<int32_t>(xm[k]) * static_cast<int32_t>(rows[r][k]);
+      out[m * N + n + r] = sums[r] + tail - 128 * w_sums[n + r];
+    }
+  }
+}
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -181,9 +221,10 @@ std::vector<int32_t> row_sums(const int8_t* x, int64_t M, int64_t K) {
 
 #endif
 
-// out[:, n_begin .. n_end) by the build's widest loop; x_sums (row_sums) only for the VNNI one.
-void product_rows(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32_t* out, int64_t M, int64_t K,
-                  int64_t N, int64_t n_begin, int64_t n_end) {
+// out[:, n_begin .. n_end) by the build's widest loop; x_sums (row_sums) only for the VNNI one; xu and w_sums
+// (7-bit weight codes) only for the AVX2 one, which then takes tile4_u8.
+void product_rows(const int8_t* x, const int8_t* w, const int32_t* x_sums, const uint8_t* xu, const int32_t* w_sums,
+                  int32_t* out, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
 #if defined(FREIGHT_INT8_VNNI512)
   for (; n + kRowsPerTile <= n_end; n += kRowsPerTile) {
@@ -200,8 +241,15 @@ void product_rows(const int8_t* x, const int8_t* w, const int32_t* x_sums, int32
 #elif defined(__AVX2__)
   for (; n + kRowsPerTile <= n_end; n += kRowsPerTile) {
     prefetch_tile(w, K, n, n_end);
-    tile4(x, w, out, M, K, N, n);
+    if (w_sums != nullptr) {
+      tile4_u8(xu, w, w_sums, out, M, K, N, n);
+    } else {
+      tile4(x, w, out, M, K, N, n);
+    }
   }
+#else
+  (void)xu;
+  (void)w_sums;
 #endif
   for (; n < n_end; ++n) {
     for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot_generic(x + m * K, w + n * K, 0, K);
@@ -359,7 +407,9 @@ bool available_amx() {
 }  // namespace
 
 // x_q [M, K] int8, w_q [N, K] int8 (both contiguous) -> out [M, N] int32 (contiguous) = x_q @ w_q.T, exact.
-void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx) {
+// w_sums [N] int32 = w_q.sum(1), given only when every |w| <= 63 (the caller checks once, at load): the AVX2
+// loop then takes the unsigned-activation form (see the top); other builds ignore it.
+void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx, c10::optional<torch::Tensor> w_sums) {
   TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
               "x_q must be a contiguous [M, K] int8 tensor");
   TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kChar,
@@ -391,13 +441,26 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx) 
 #else
   const std::vector<int32_t> x_sums;  // the sign-trick loops need no correction
 #endif
+  const int32_t* w_sum = nullptr;
+  std::vector<uint8_t> xu;
+#if defined(__AVX2__) && !defined(FREIGHT_INT8_VNNI512)
+  if (w_sums.has_value()) {
+    TORCH_CHECK(w_sums->dim() == 1 && w_sums->size(0) == N && w_sums->is_contiguous() &&
+                    w_sums->scalar_type() == at::kInt,
+                "w_sums must be a contiguous [N] int32 tensor");
+    w_sum = w_sums->const_data_ptr<int32_t>();
+    xu.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(x[i]) ^ 0x80;  // x + 128
+  }
+#endif
   // n_simd is a multiple of a tile's 16 rows, and so of kGrainRows
   at::parallel_for(n_simd / kGrainRows, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
-    product_rows(x, w, x_sums.data(), o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
+    product_rows(x, w, x_sums.data(), xu.data(), w_sum, o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("product", &product);
+  m.def("product", &product, py::arg("x_q"), py::arg("w_q"), py::arg("out"), py::arg("amx"),
+        py::arg("w_sums") = py::none());
   m.def("available_amx", &available_amx);
 }

@@ -124,3 +124,22 @@ def test_remote_commands_against_the_api(
     assert refused.returncode == 1 and "unknown model 'no-such-model'" in refused.stderr
     unauthorized = freight("status", job["id"], env={**env, "FREIGHT_API_KEY": "frk_x_y"}, check=False)
     assert unauthorized.returncode == 1 and "401" in unauthorized.stderr
+
+
+def test_models_check_describes_a_family_and_refuses_an_unsupported_one(tmp_path: Path, smollm2_path: Path) -> None:
+    from tests.worker.engine.families import FAMILIES, build_family
+    from worker.engine.loader import load_config
+    from worker.engine.parameters import parameter_counts
+
+    moe = build_family(FAMILIES["mixtral"], tmp_path / "mixtral", smollm2_path)
+    counts = parameter_counts(load_config(str(moe)))
+    out = freight("models", "check", str(moe)).stdout
+    assert "model_type   mixtral" in out and "4 of 4 layers windowed (24 tokens)" in out
+    assert "experts      8, top 2, on 4 layers" in out
+    assert f"parameters   {counts.total:,} ({counts.active:,} active per token)" in out and counts.active < counts.total
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    refused = freight("models", "check", str(tmp_path / "gpt2"), check=False)
+    assert refused.returncode == 2 and not refused.stdout
+    assert "unsupported architecture 'gpt2'" in refused.stderr and "qwen3_moe, mixtral, phi3" in refused.stderr

@@ -40,6 +40,33 @@ def test_product_is_the_exact_integer_sum(M, K, N):
     assert torch.equal(int8_product(x_q, w_q).double(), want)
 
 
+@pytest.mark.parametrize(
+    ("M", "K", "N"), [(1, 32, 4), (3, 100, 37), (6, 64, 8), (16, 576, 960), (17, 130, 12), (40, 1537, 19)]
+)
+def test_seven_bit_codes_with_row_sums_give_the_exact_integer_sum(M, K, N):
+    # 7-bit weights (the oneDNN backend's without VNNI) and the most negative activation code: the AVX2 loop's
+    # unsigned form shifts every activation by 128 and takes 128 * sum(w) off again
+    x_q, w_q = codes(M, K, seed=M + 7), codes(N, K, seed=N + 7, qmax=63)
+    x_q[0, :5] = -128
+    w_q[0, :3] = torch.tensor([63, -63, -63], dtype=torch.int8)
+    sums = cpu_int8_small_batch.seven_bit_row_sums(w_q)
+    assert sums is not None and torch.equal(sums, w_q.sum(1, dtype=torch.int32))
+    want = x_q.double() @ w_q.double().t()
+    assert torch.equal(int8_product(x_q, w_q, w_sums=sums).double(), want)
+    x = torch.randn(M, K, generator=generator(M))
+    scale = torch.rand(N, generator=generator(N)) / 50
+    assert torch.equal(int8_linear_small_batch(x, w_q, scale, w_sums=sums), int8_linear_small_batch(x, w_q, scale))
+
+
+def test_row_sums_only_for_seven_bit_codes():
+    assert cpu_int8_small_batch.seven_bit_row_sums(codes(8, 64, seed=3, qmax=63)) is not None
+    eight_bit = codes(8, 64, seed=3, qmax=63)
+    eight_bit[5, 7] = 64
+    assert cpu_int8_small_batch.seven_bit_row_sums(eight_bit) is None
+    with pytest.raises(ValueError, match="w_sums must be int32"):
+        int8_product(codes(2, 64, seed=1), codes(8, 64, seed=2), w_sums=torch.zeros(7, dtype=torch.int32))
+
+
 # M from below the tiles' threshold (8 rows) through partial and several 16-row blocks and more than the four
 # accumulated at once (70), K multiples of 64 (what the tiles take; others keep the SIMD loop), N past a
 # multiple of 16 (the last rows take the SIMD loop)

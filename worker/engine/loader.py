@@ -168,6 +168,13 @@ def load_checkpoint(model: str, cache_dir: Path | str | None = None) -> Checkpoi
     return Checkpoint(name=name, path=path, config=config, tensors=tensors, tokenizer=tokenizer)
 
 
+def load_config(model: str, cache_dir: Path | str | None = None) -> ModelConfig:
+    """The engine's config of a model, refused as load_checkpoint refuses it, without reading its tensors."""
+    path = resolve_model_path(model, cache_dir)
+    check_model_type(path)
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder's safetensors files, single-file or sharded."""
     index = path / "model.safetensors.index.json"

@@ -58,21 +58,22 @@ def measure_small_batch(model: ModelConfig, dtype: str, int8_backend: str) -> di
     layer_bytes = sum(n * k for n, k in shapes)
     layers = max(1, min(model.num_layers, -(-POOL_BYTES // layer_bytes)))
     qmax = cpu_int8_linear.weight_qmax() if int8_backend == "onednn" else 127
-    weights = []  # (codes [N, K] int8, scale [N] float32, library product)
+    weights = []  # (codes [N, K] int8, scale [N] float32, the codes' 7-bit row sums or None, library product)
     for _ in range(layers):
         for n, k in shapes:
             codes, scale = quantize_weight_per_channel(torch.randn(n, k, generator=gen), qmax)
-            weights.append((codes, scale, _library_product(codes, scale, int8_backend)))
+            sums = cpu_int8_small_batch.seven_bit_row_sums(codes)  # as the engine's layers take them
+            weights.append((codes, scale, sums, _library_product(codes, scale, int8_backend)))
     seconds: dict[str, float] = {}
     for rows in ROWS:
         inputs = {k: torch.randn(rows, k, generator=gen).to(DTYPES[dtype]) for _, k in shapes}
 
         def small(inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for codes, scale, _ in weights:
-                cpu_int8_small_batch.int8_linear_small_batch(inputs[codes.shape[1]], codes, scale)
+            for codes, scale, sums, _ in weights:
+                cpu_int8_small_batch.int8_linear_small_batch(inputs[codes.shape[1]], codes, scale, w_sums=sums)
 
         def library(inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for codes, _, product in weights:
+            for codes, _, _, product in weights:
                 product(inputs[codes.shape[1]])
 
         seconds[f"{rows}/small"] = best_seconds(small)

@@ -2,6 +2,7 @@
 
   python scripts/kernel_bench.py --device cuda [--out DIR]   # each Triton kernel vs the torch path on CUDA
   python scripts/kernel_bench.py --device cpu [--out DIR]    # the CPU paths: decode chunk sizes, W8A8 vs bf16
+  python scripts/kernel_bench.py --device cpu --ops small_batch   # the small-batch INT8 product's two AVX2 forms
 
 Every case runs in its own try block: a failure is recorded in the JSON and the rest still run.
 Times are medians in milliseconds.
@@ -175,6 +176,30 @@ def linear_cases(device: str, quick: bool) -> list[dict]:
     return cases
 
 
+def small_batch_cases(device: str, quick: bool) -> list[dict]:
+    """The CPU small-batch INT8 product of 7-bit codes in its two AVX2 forms (the same integers): the sign
+    form and the unsigned-activation form that weight row sums allow. Gemma 3's LM head and layer shapes."""
+    from kernels.cpu_int8_small_batch import available, int8_product, seven_bit_row_sums
+
+    if device != "cpu" or not available():
+        return []
+    cases = []
+    reps = 3 if quick else 5
+    for N, K in ((262144, 640), (4096, 640), (640, 2048)):
+        w_q = torch.randint(-63, 64, (N, K), dtype=torch.int8)
+        sums = seven_bit_row_sums(w_q)
+        for M in (1, 16, 32, 64):
+            x_q = torch.randint(-127, 128, (M, K), dtype=torch.int8)
+            if not torch.equal(int8_product(x_q, w_q), int8_product(x_q, w_q, w_sums=sums)):
+                raise AssertionError(f"the two forms differ at M={M}, [N, K] = [{N}, {K}]")
+            case = dict(op="int8_small_batch_7bit", M=M, K=K, N=N)
+            case["sign_form_ms"] = time_ms(device, reps, int8_product, x_q, w_q)
+            case["unsigned_form_ms"] = time_ms(device, reps, int8_product, x_q, w_q, w_sums=sums)
+            case["speedup"] = case["sign_form_ms"] / case["unsigned_form_ms"]
+            cases.append(case)
+    return cases
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,7 +220,8 @@ def main() -> int:
         "cases": [],
         "errors": [],
     }
-    suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases)
+    suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases,
+                  small_batch=small_batch_cases)
     for op in args.ops.split(","):
         try:
             report["cases"].extend(suites[op](args.device, args.quick))

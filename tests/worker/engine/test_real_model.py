@@ -33,10 +33,10 @@ def llm_fp32(smollm2_path) -> LLM:
 def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    prompts = chat_prompts(llm_fp32.tokenizer, start=0, n=20, max_len=384)
+    prompts = chat_prompts(llm_fp32.tokenizer, start=0, n=14, max_len=384)
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] < 64 and lengths[-1] > 200, f"want mixed lengths, got {lengths}"
-    # 20 prompts, 32 new tokens: transformers' one-prompt-at-a-time generate is most of this test's time
+    # 14 prompts, 32 new tokens: transformers' one-prompt-at-a-time generate is most of this test's time
     outs = llm_fp32.generate(prompts, SamplingParams(max_tokens=32))  # all in one call
     assert llm_fp32.stats.padding_tokens == 0
 
@@ -48,17 +48,17 @@ def test_greedy_parity_with_transformers(llm_fp32: LLM, smollm2_path) -> None:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), generation_config=gen_config)[0, len(prompt):].tolist()
         matches += out.output_token_ids == ref
-    print(f"greedy parity with transformers: {matches}/20 prompts, lengths {lengths[0]}..{lengths[-1]}")
-    assert matches >= 19
+    print(f"greedy parity with transformers: {matches}/14 prompts, lengths {lengths[0]}..{lengths[-1]}")
+    assert matches >= 13
 
 
 def test_batch_invariance(llm_fp32: LLM) -> None:
-    prompts = chat_prompts(llm_fp32.tokenizer, start=200, n=40, max_len=256)
+    prompts = chat_prompts(llm_fp32.tokenizer, start=200, n=24, max_len=256)
     params = SamplingParams(max_tokens=32)
     batched = llm_fp32.generate(prompts, params)
-    for i in range(0, 40, 10):  # four of them alone
+    for i in range(0, 24, 8):  # three of them alone
         alone = llm_fp32.generate([prompts[i]], params)[0]
-        assert alone.output_token_ids == batched[i].output_token_ids, f"prompt {i} differs alone vs in a batch of 40"
+        assert alone.output_token_ids == batched[i].output_token_ids, f"prompt {i} differs alone vs in a batch of 24"
 
 
 def test_int8_perplexity_within_3_percent(llm_fp32: LLM, smollm2_path) -> None:
@@ -75,13 +75,13 @@ def test_int8_perplexity_within_3_percent(llm_fp32: LLM, smollm2_path) -> None:
     ppl_int8 = freight_perplexity(int8, texts)
 
     params = SamplingParams(max_tokens=32)
-    ref = llm_fp32.generate(texts[:32], params)
-    got = int8.generate(texts[:32], params)
+    ref = llm_fp32.generate(texts[:16], params)
+    got = int8.generate(texts[:16], params)
     agree = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, got, strict=True))
     prefix = sum(_common_prefix(a.output_token_ids, b.output_token_ids) for a, b in zip(ref, got, strict=True))
     print(f"{int8.engine.plan.scheme.name}: perplexity fp32 {ppl_fp32:.3f} int8 {ppl_int8:.3f} "
           f"({(ppl_int8 / ppl_fp32 - 1) * 100:+.2f}%); "
-          f"greedy agreement with fp32: {agree}/32 identical, {prefix / (32 * 32):.1%} of tokens before divergence")
+          f"greedy agreement with fp32: {agree}/16 identical, {prefix / (16 * 32):.1%} of tokens before divergence")
     assert ppl_int8 <= ppl_fp32 * 1.03
 
 

@@ -281,9 +281,11 @@ def record_calls(
     return calls
 
 
-@pytest.mark.parametrize(
-    "options", [{}, dict(window=5), dict(soft_cap=30.0), dict(window=5, soft_cap=30.0)], ids=str
-)
+# no option, each alone, both: what the attention ops pass on to their backends
+ATTENTION_OPTIONS = [{}, dict(window=5), dict(soft_cap=30.0), dict(window=5, soft_cap=30.0)]
+
+
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS, ids=str)
 @pytest.mark.parametrize("backend", ["triton", "compiled", "torch"])
 def test_decode_passes_attention_options_to_its_backend(
     monkeypatch: pytest.MonkeyPatch, backend: str, options: dict
@@ -300,9 +302,7 @@ def test_decode_passes_attention_options_to_its_backend(
         assert calls == [dict(window=0, soft_cap=0.0) | options]
 
 
-@pytest.mark.parametrize(
-    "options", [{}, dict(window=5), dict(soft_cap=30.0), dict(window=5, soft_cap=30.0)], ids=str
-)
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS, ids=str)
 @pytest.mark.parametrize("backend", ["triton", "compiled", "torch"])
 def test_prefill_passes_attention_options_to_its_backend(
     monkeypatch: pytest.MonkeyPatch, backend: str, options: dict

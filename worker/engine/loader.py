@@ -157,8 +157,7 @@ def resolve_model_path(model: str, cache_dir: Path | str | None = None) -> Path:
 
 def load_checkpoint(model: str, cache_dir: Path | str | None = None) -> Checkpoint:
     path = resolve_model_path(model, cache_dir)
-    check_model_type(path)
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    config = _config_at(path)
     tensors = load_tensors(path)
     missing = missing_tensor_names(config, tensors)
     if missing:
@@ -170,8 +169,11 @@ def load_checkpoint(model: str, cache_dir: Path | str | None = None) -> Checkpoi
 
 def load_config(model: str, cache_dir: Path | str | None = None) -> ModelConfig:
     """The engine's config of a model, refused as load_checkpoint refuses it, without reading its tensors."""
-    path = resolve_model_path(model, cache_dir)
-    check_model_type(path)
+    return _config_at(resolve_model_path(model, cache_dir))
+
+
+def _config_at(path: Path) -> ModelConfig:
+    check_model_type(path)  # before transformers builds a config class for an architecture we refuse
     return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
 

@@ -157,6 +157,14 @@ def mark_finalizing(session: Session, job_id: str) -> bool:
     return job_status(session, job_id) == JobStatus.FINALIZING
 
 
+def note_error(session: Session, *, job_id: str, error: str, commit: bool = True) -> None:
+    """Record why the job cannot succeed while its shards still finish (the first reason stays);
+    finalizing then ends it failed with this error. Commits unless commit=False."""
+    session.execute(update(Job).where(Job.id == job_id, Job.error.is_(None)).values(error=error))
+    if commit:
+        session.commit()
+
+
 def request_cancel(session: Session, job_id: str) -> bool:
     return move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True})
 

@@ -1,5 +1,5 @@
 """SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events,
-and the files and batches of the OpenAI-compatible API."""
+the files and batches of the OpenAI-compatible API, and the model registry."""
 
 from __future__ import annotations
 
@@ -198,3 +198,21 @@ class OpenAIBatch(Base):
     outputs_ready: Mapped[bool] = mapped_column(Boolean, default=False)
 
     __table_args__ = (Index("ix_openai_batches_tenant_seq", "tenant", "seq"),)
+
+
+class RegisteredModel(Base):
+    """What a worker made of a model when it loaded it, one row per model name (the latest word): its
+    family, its own context and whether the engine can load it (with the loader's refusal when not). The
+    API reads it at submission (jobs/domain/served_models.py); a model with no row is not known yet."""
+
+    __tablename__ = "model_registry"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)  # as jobs and queues name it: alias or path
+    model_type: Mapped[str | None] = mapped_column(String(200), default=None)  # its config.json's
+    # the model's own context (max_position_embeddings), before FREIGHT_MAX_MODEL_LEN caps it; null when
+    # the engine cannot load the model
+    context_len: Mapped[int | None] = mapped_column(Integer, default=None)
+    loadable: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text, default=None)  # the loader's refusal
+    recorded_by: Mapped[str] = mapped_column(String(200))  # host:pid of the worker
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)

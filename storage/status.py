@@ -27,6 +27,8 @@ ACTIVE_JOB_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobSta
 #   validating -> queued -> in_progress -> finalizing -> completed | cancelled | failed
 #   validating | queued | in_progress -> cancelling -> finalizing (then cancelled)
 #   queued -> failed (the broker could not be reached at submit)
+#   finalizing -> failed: finalize failed, or a shard noted that the job cannot succeed (its model
+#   cannot be served: job_store.note_error)
 JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.VALIDATING}),  # the input was valid and the shards are cut
     JobStatus.IN_PROGRESS: frozenset({JobStatus.QUEUED}),  # the first shard started

@@ -1,5 +1,5 @@
 """The Celery app a `freight worker` process runs: one queue (its model's), events on, prefetch 1,
-late acks, and the model loaded once when the process starts."""
+late acks, and the model loaded once when the process starts (and recorded in the model registry)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from jobs.domain.settings import Settings
 from storage.blobs import BlobStore
 from storage.db import make_engine, make_session_factory
 from worker.llm_pool import LLMPool
+from worker.model_registry import ModelRegistry, UnservableModel
 from worker.prometheus import WorkerMetrics
 from worker.shard.context import WorkerContext
 from worker.tasks import register_tasks
@@ -30,7 +31,7 @@ def make_worker_app(settings: Settings, model: str) -> tuple[Celery, LLMPool]:
         sessions=make_session_factory(make_engine(settings.resolved_database_url)),
         blobs=BlobStore(settings.resolved_data_dir),
     )
-    pool = LLMPool(settings)
+    pool = LLMPool(settings, ModelRegistry(ctx.sessions))
     # SIGTERM: running shards hand back their unfinished rows instead of holding shutdown up.
     signals.worker_shutting_down.connect(lambda **_kwargs: ctx.stopping.set(), weak=False)
     metrics = WorkerMetrics(pool)
@@ -56,7 +57,12 @@ def run_worker(
     app, llm_pool = make_worker_app(settings, model)
     if preload:
         # Load before consuming, so the first shard does not pay for it and a bad model fails fast.
-        llm_pool.load(llm_pool.default_key(model))
+        try:
+            llm_pool.load(llm_pool.default_key(model))
+        except UnservableModel as exc:
+            # Recorded in the model registry: the API refuses new jobs for it. Staying up (rather than
+            # exiting into a restart loop) fails the shards already queued, each with this error.
+            log.error("%s; consuming its queue to fail the shards queued for it", exc)
     queue = queue_for_model(settings, model)
     name = hostname or f"freight-{os.getpid()}@{socket.gethostname()}"
     log.info("consuming %s as %s", queue, name)

@@ -30,6 +30,7 @@ def models_check(model: str, cache_dir: str | None = None) -> list[str]:
         "attention    " + (f"{window_layers} of {config.num_layers} layers windowed ({', '.join(map(str, windows))} "
                             "tokens)" if windows else "full on every layer"),
         f"parameters   {counts.total:,} ({counts.active:,} active per token)",
+        f"context      {config.max_position_embeddings:,} tokens (FREIGHT_MAX_MODEL_LEN caps it when set)",
     ]
     if config.num_experts:
         sparse = sum(config.is_sparse(i) for i in range(config.num_layers))

@@ -44,6 +44,7 @@ def run_embedded(
 ) -> EmbeddedResult:
     from worker.finalize import finalize_job
     from worker.llm_pool import LLMPool
+    from worker.model_registry import ModelRegistry
     from worker.retry import RetryPolicy, ShardRetry
     from worker.shard_runner import WorkerContext, ready_to_finalize, run_shard
 
@@ -57,10 +58,13 @@ def run_embedded(
         sessions = make_session_factory(engine)
         blobs = BlobStore(settings.resolved_data_dir)
         service = JobService(settings, sessions, blobs, dispatcher=None, allow_any_model=True)
+        pool = LLMPool(settings, ModelRegistry(sessions))
+        # Recorded before validation: the job is checked against this model's own context, and a model
+        # the engine cannot load is refused (InputError) before a job exists.
+        pool.inspect(service.model_of(params))
         with open(input_path, "rb") as upload:
             job = service.submit(LOCAL_TENANT, upload, params)
         ctx = WorkerContext(settings=settings, sessions=sessions, blobs=blobs)
-        pool = LLMPool(settings)
         if on_status:
             on_status(f"job {job.id}: {job.request_counts.total} rows; loading {job.model}")
         pool.get(service.resolve(params))  # load before the progress bar starts

@@ -1,6 +1,6 @@
-"""Finalize a job: write the results Parquet and the metrics JSON, then set the final status. It is
-idempotent (files are replaced atomically) and the status moves exactly once, so a redelivered or
-duplicated finalize is harmless."""
+"""Finalize a job: write the results Parquet and the metrics JSON, then set the final status (failed
+when its shards noted an error on it: job_store.note_error). It is idempotent (files are replaced
+atomically) and the status moves exactly once, so a redelivered or duplicated finalize is harmless."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ def finalize_job(ctx: WorkerContext, job_id: str) -> str | None:
             finished_at = utcnow()
             metrics = compute_metrics(session, job, ctx.settings, finished_at=finished_at)
             ctx.blobs.write_text(metrics_name(job_id), json.dumps(metrics, indent=2))
-            final = JobStatus.CANCELLED if job.cancel_requested else JobStatus.COMPLETED
+            final = JobStatus.COMPLETED
+            if job.error:  # noted while the shards ran: the model cannot be served
+                final = JobStatus.FAILED
+            if job.cancel_requested:
+                final = JobStatus.CANCELLED
             job_store.move(session, job_id, to=final, extra={"metrics": metrics, "finished_at": finished_at})
         except Exception as exc:
             if isinstance(exc, DBAPIError) and exc.connection_invalidated:

@@ -1,5 +1,8 @@
 """The worker's loaded model: built once per process and kept for every shard that asks for the same
-engine configuration (a different quantization or KV dtype replaces it)."""
+engine configuration (a different quantization or KV dtype replaces it). Before building an engine the
+pool inspects the model (worker/model_registry.py) and records it in the model registry: a model the
+engine cannot load raises UnservableModel without a load, and the engine's context is the one the API
+checks jobs against (served_models.model_context)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ import time
 from dataclasses import dataclass
 
 from jobs.domain.schemas import ResolvedParams
+from jobs.domain.served_models import model_context, unservable
 from jobs.domain.settings import Settings
 from worker.engine import LLM
+from worker.model_registry import ModelFacts, ModelRegistry, UnservableModel, inspect_model
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +29,9 @@ class EngineKey:
 
 
 class LLMPool:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, registry: ModelRegistry | None = None) -> None:
         self.settings = settings
+        self.registry = registry  # None: what the pool makes of a model is not recorded
         self.lock = threading.Lock()  # one shard at a time uses the engine (threads pool)
         self._key: EngineKey | None = None
         self._llm: LLM | None = None
@@ -38,9 +44,19 @@ class LLMPool:
             log.warning("dropping %d requests a failed shard left in the engine", len(llm.engine.abort_all()))
         return llm
 
+    def inspect(self, model: str) -> ModelFacts:
+        """The model's facts from its config, recorded in the registry when the pool has one."""
+        facts = inspect_model(model, self.settings.models_dir)
+        if self.registry is not None:
+            self.registry.record(facts)
+        return facts
+
     def load(self, key: EngineKey) -> LLM:
         if self._llm is not None and self._key == key:
             return self._llm
+        facts = self.inspect(key.model)
+        if not facts.loadable:
+            raise UnservableModel(unservable(key.model, facts.error or ""))
         if self._llm is not None:
             self._llm.close()
         self._llm = None  # free the old engine before building the next one
@@ -52,7 +68,7 @@ class LLMPool:
             quantization=key.quantization,
             kv_cache_dtype=key.kv_cache_dtype,
             int8_backend=settings.int8_backend,
-            max_model_len=settings.max_model_len,
+            max_model_len=model_context(facts.context_len, settings.max_model_len),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_cache_memory_gb=settings.kv_cache_memory_gb,
@@ -64,6 +80,15 @@ class LLMPool:
         )
         self._key = key
         log.info("loaded %s in %.1fs", key, time.monotonic() - started)
+        if not self._llm.engine.kv_blocks.fits(self._llm.max_model_len):
+            # Uncapped, a long-context model can outgrow the KV pool: rows that could reach the full
+            # context are refused one by one (the engine's "raise kv_cache_memory_gb").
+            log.warning(
+                "the KV cache cannot hold one sequence of %s's full context (%d tokens): set "
+                "FREIGHT_MAX_MODEL_LEN lower or raise FREIGHT_KV_CACHE_MEMORY_GB",
+                key.model,
+                self._llm.max_model_len,
+            )
         return self._llm
 
     @property

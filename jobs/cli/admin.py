@@ -65,6 +65,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     check.add_argument("model")
     check.add_argument("--cache-dir", help="default: FREIGHT_HOME/models")
     check.set_defaults(handler=cmd_models_check)
+    model_commands.add_parser(
+        "list",
+        help="the models workers recorded (FREIGHT_DATABASE_URL): family, context, or why the engine refuses one",
+    ).set_defaults(handler=cmd_models_list)
 
     doctor = commands.add_parser(
         "doctor", help="this machine (CPU tier, extensions, torch, CUDA) and the path the engine takes per op"
@@ -237,6 +241,30 @@ def cmd_models_check(args: argparse.Namespace) -> int:
         print(f"freight models check: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
+    return 0
+
+
+def cmd_models_list(_args: argparse.Namespace) -> int:
+    from jobs.domain.served_models import model_context, unservable
+    from storage.model_store import list_models
+
+    settings = Settings()
+    cap = settings.max_model_len
+    with _sessions(settings)() as session:
+        records = list_models(session)
+    for record in records:
+        if record.loadable:
+            context = model_context(record.context_len, cap)
+            state = f"{record.model_type}, context {context:,} tokens (its own {record.context_len:,})"
+        else:
+            state = f"{record.model_type or 'no model_type'}: {unservable(record.name, record.error or '')}"
+        when = f"{record.recorded_at:%Y-%m-%d %H:%M}"
+        print(f"{record.name}  {state}  [recorded {when} by {record.recorded_by}]")
+    recorded = {record.name for record in records}
+    for name in settings.accepted_models():
+        if name not in recorded:
+            context = model_context(None, cap)
+            print(f"{name}  not recorded yet: no worker has loaded it (context {context:,} tokens)")
     return 0
 
 

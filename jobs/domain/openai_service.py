@@ -214,7 +214,7 @@ class BatchService:
         """(job id, refused lines, errors of a failed batch): the good lines become one job."""
         try:
             parsed: ParsedBatch = parse_batch_file(
-                data, endpoint, self.jobs.resolve, self.jobs.grammar_refusal
+                data, endpoint, self.jobs.resolver(), self.jobs.grammar_refusal
             )
         except InputError as exc:
             return (
@@ -228,7 +228,8 @@ class BatchService:
                 for error in parsed.errors[:MAX_NAMED_LINE_ERRORS]
             ]
             return None, parsed.errors, named
-        params = parsed.job_params(chat_max_tokens=self.settings.max_model_len - 1)
+        # chat outputs are bounded by the context alone: this model's (the registry's, or the default)
+        params = parsed.job_params(chat_max_tokens=self.jobs.served(parsed.model).context_len - 1)
         try:
             job = self.jobs.submit(tenant, io.BytesIO(parsed.to_parquet()), params)
         except InputError as exc:

@@ -4,6 +4,8 @@ shard, enqueue), read, list, cancel, results and metrics, each scoped to one ten
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -14,11 +16,12 @@ from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.metrics import compute_metrics
 from jobs.domain.results import write_partial_results
 from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
+from jobs.domain.served_models import ServedModel, served_model
 from jobs.domain.settings import Settings
 from jobs.domain.sharding import cut_shards
 from jobs.domain.summarize import check_summarize_file, task_fields
 from jobs.domain.validation import validate_parquet
-from storage import job_store
+from storage import job_store, model_store
 from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name
 from storage.models import Job
 from storage.shard_store import shard_indices
@@ -54,21 +57,45 @@ class JobService:
         self.allow_any_model = allow_any_model
         self.grammar_refusal = grammar_refusal
 
+    def model_of(self, params: JobParams) -> str:
+        return params.model or self.settings.default_model
+
+    def served(self, model: str) -> ServedModel:
+        """What the model registry says of `model` (its context; why the engine cannot load it)."""
+        if self.sessions is None:  # a service without a database (tests of the checks alone) knows none
+            return served_model(model, None, self.settings.max_model_len)
+        with self.sessions() as session:
+            record = model_store.get_model(session, name=model)
+        return served_model(model, record, self.settings.max_model_len)
+
     def resolve(self, params: JobParams) -> ResolvedParams:
+        return self._resolve(params, self.served)[0]
+
+    def resolver(self) -> Callable[[JobParams], ResolvedParams]:
+        """`resolve` reading each model's registry row once: a batch file checks every line."""
+        served = cache(self.served)
+        return lambda params: self._resolve(params, served)[0]
+
+    def _resolve(
+        self, params: JobParams, served_of: Callable[[str], ServedModel]
+    ) -> tuple[ResolvedParams, ServedModel]:
         settings = self.settings
-        model = params.model or settings.default_model
+        model = self.model_of(params)
         if not self.allow_any_model and model not in settings.accepted_models():
             raise InputError(
                 f"unknown model {model!r}; this service serves {settings.accepted_models()}", field="model"
             )
-        if params.max_tokens >= settings.max_model_len:
+        served = served_of(model)
+        if served.refusal is not None:
+            raise InputError(served.refusal, field="model")
+        if params.max_tokens >= served.context_len:
             raise InputError(
                 f"max_tokens is {params.max_tokens}; it must be below the model context of "
-                f"{settings.max_model_len} tokens",
+                f"{served.context_len} tokens",
                 field="max_tokens",
             )
         quantization = params.quantization or settings.quantization
-        by_task = task_fields(params, settings.max_model_len)
+        by_task = task_fields(params, served.context_len)
         resolved = ResolvedParams(
             model=model,
             max_tokens=params.max_tokens,
@@ -90,10 +117,10 @@ class JobService:
             refused = self.grammar_refusal(resolved.structured)
             if refused is not None:
                 raise InputError(refused, field=resolved.structured.kind)
-        return resolved.model_copy(update=by_task)
+        return resolved.model_copy(update=by_task), served
 
     def submit(self, tenant: str, upload: BinaryIO, params: JobParams) -> JobObject:
-        resolved = self.resolve(params)
+        resolved, served = self._resolve(params, self.served)
         job_id = job_store.new_job_id()
         name = input_name(job_id)
         try:
@@ -115,7 +142,7 @@ class JobService:
             if resolved.summarize is not None:
                 check_summarize_file(self.blobs.path(name), resolved.summarize)
             validated = validate_parquet(
-                self.blobs.path(name), resolved, self.settings.max_model_len, self.grammar_refusal
+                self.blobs.path(name), resolved, served.context_len, self.grammar_refusal
             )
             shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
             with self.sessions() as session:

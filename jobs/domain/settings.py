@@ -34,11 +34,13 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     # CPU INT8 GEMM; "auto": measured. Where two backends measure alike (the AMX machine: within 3%) the pick,
     # and with it the exact tokens, can differ between machines or fresh calibrations: pin it to rule that out
-    int8_backend: Literal["auto", "int_mm", "onednn"] = "auto"
+    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = "auto"
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
-    max_model_len: int = 2048
+    # Cap on every model's context (tokens). None: each model's own (its max_position_embeddings, as a
+    # worker recorded it in the model registry); see jobs/domain/served_models.py.
+    max_model_len: int | None = Field(None, ge=2)
     num_threads: int | None = None  # torch threads in the worker; None keeps torch's default
     # engine optimisations, on by default (README "Engine"); off only to measure what they bring
     enable_prefix_caching: bool = True

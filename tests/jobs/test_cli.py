@@ -132,8 +132,10 @@ def test_models_check_describes_a_family_and_refuses_an_unsupported_one(tmp_path
     from worker.engine.parameters import parameter_counts
 
     moe = build_family(FAMILIES["mixtral"], tmp_path / "mixtral", smollm2_path)
-    counts = parameter_counts(load_config(str(moe)))
+    config = load_config(str(moe))
+    counts = parameter_counts(config)
     out = freight("models", "check", str(moe)).stdout
+    assert f"context      {config.max_position_embeddings:,} tokens" in out
     assert "model_type   mixtral" in out and "4 of 4 layers windowed (24 tokens)" in out
     assert "experts      8, top 2, on 4 layers" in out
     assert f"parameters   {counts.total:,} ({counts.active:,} active per token)" in out and counts.active < counts.total

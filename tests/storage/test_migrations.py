@@ -21,6 +21,7 @@ TABLES = {
     "summary_parts",
     "openai_files",
     "openai_batches",
+    "model_registry",
     "alembic_version",
 }
 
@@ -85,4 +86,19 @@ def test_sqlite_openai_batches_migration_goes_down_and_up(tmp_path: Path) -> Non
     finally:
         engine.dispose()
     upgrade(url)
-    assert current_revision(url) == "0004" and _schema_diff(url) == []
+    assert current_revision(url) == _head(url) and _schema_diff(url) == []
+
+
+def test_sqlite_model_registry_migration_goes_down_and_up(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'freight.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0004")
+    engine = make_engine(url)
+    try:
+        assert "model_registry" not in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == "0005" == _head(url) and _schema_diff(url) == []

@@ -18,10 +18,7 @@ def worker_context(
     pg_url: str, tmp_path_factory: pytest.TempPathFactory, **overrides
 ) -> Iterator[WorkerContext]:
     """Small engine limits and one torch thread, so shards of the tiny model run fast beside other tests."""
-    settings = Settings(
-        database_url=pg_url,
-        home=tmp_path_factory.mktemp("home"),
-        data_dir=tmp_path_factory.mktemp("data"),
+    limits = dict(
         shard_size=8,
         max_model_len=512,
         max_num_seqs=16,
@@ -29,7 +26,12 @@ def worker_context(
         kv_cache_memory_gb=0.25,
         num_threads=1,
         result_chunk_rows=2,
-        **overrides,
+    )
+    settings = Settings(
+        database_url=pg_url,
+        home=tmp_path_factory.mktemp("home"),
+        data_dir=tmp_path_factory.mktemp("data"),
+        **{**limits, **overrides},  # a test may replace any of the limits
     )
     engine = make_engine(pg_url)
     try:

@@ -19,6 +19,7 @@ from storage.shard_store import finish_shard, get_shard, release_shard
 from storage.status import AttemptOutcome, ShardStatus
 from worker.attempt_meter import AttemptMeter
 from worker.inputs import read_rows
+from worker.model_registry import UnservableModel
 from worker.retry import ShardRetry
 from worker.shard.context import ShardHandedBack, WorkerContext
 from worker.shard.requests import custom_id
@@ -75,15 +76,28 @@ class Attempt:
 
     def failed(self, exc: Exception) -> str:
         """Hand the shard back for another try, or after shard_max_attempts make its remaining rows
-        error rows so the job can still finish. Returns the shard's final status, or raises ShardRetry."""
+        error rows so the job can still finish. A model the engine cannot load fails the shard at once
+        and is noted on the job, which then ends failed. Returns the shard's final status, or raises
+        ShardRetry."""
         job_id, shard_index, ctx = self.job_id, self.shard_index, self.ctx
-        message = f"{exc.__class__.__name__}: {exc}"[:MAX_ERROR_CHARS]  # a database error quotes its SQL
-        log.exception("shard %d of %s failed", shard_index, job_id)
+        # The refusal already reads "model ... cannot be served: ..."; a database error quotes its SQL.
+        unservable = isinstance(exc, UnservableModel)
+        message = (str(exc) if unservable else f"{exc.__class__.__name__}: {exc}")[:MAX_ERROR_CHARS]
+        if unservable:  # the loader's refusal is the whole story: no traceback
+            log.error("shard %d of %s failed: %s", shard_index, job_id, message)
+        else:
+            log.exception("shard %d of %s failed", shard_index, job_id)
         # A dropped database connection (restart, pg_terminate_backend) is not the shard's fault: the
         # retry resumes from the stored rows without using up one of the shard's attempts.
         disconnected = isinstance(exc, DBAPIError) and exc.connection_invalidated
         with ctx.sessions() as session:
             shard = get_shard(session, job_id, shard_index)
+            if unservable:
+                # The same model files give the same refusal: another attempt cannot help.
+                job_store.note_error(session, job_id=job_id, error=message, commit=False)
+                self._fail_rows(session, shard.row_indices, message)
+                self.finish(session, ShardStatus.FAILED, None, error=message)
+                return ShardStatus.FAILED
             if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
                 released = release_shard(
                     session, job_id, shard_index, self.owner, message, count_attempt=not disconnected
@@ -91,21 +105,24 @@ class Attempt:
                 # What the failed attempt ran is part of the job's cost (the retry reruns its unstored rows).
                 self.meter.record(session, AttemptOutcome.RETRY if released else AttemptOutcome.LEASE_LOST)
                 raise ShardRetry(message) from exc
-            stored = stored_row_indices(session, job_id, shard.row_indices)
-            missing = [index for index in shard.row_indices if index not in stored]
-            custom_ids = self._custom_ids_or_indices(missing)
-            problem = f"the shard failed {shard.attempts} times: {message}"
-            insert_results(
-                session,
-                [
-                    ResultRecord.failed(index, custom_ids[index], problem).stored(
-                        job_id=job_id, shard_index=shard_index
-                    )
-                    for index in missing
-                ],
-            )
+            self._fail_rows(session, shard.row_indices, f"the shard failed {shard.attempts} times: {message}")
             self.finish(session, ShardStatus.FAILED, None, error=message)
         return ShardStatus.FAILED
+
+    def _fail_rows(self, session: Session, rows: list[int], problem: str) -> None:
+        """Error rows for the shard's rows not stored yet; commits."""
+        stored = stored_row_indices(session, self.job_id, rows)
+        missing = [index for index in rows if index not in stored]
+        custom_ids = self._custom_ids_or_indices(missing)
+        insert_results(
+            session,
+            [
+                ResultRecord.failed(index, custom_ids[index], problem).stored(
+                    job_id=self.job_id, shard_index=self.shard_index
+                )
+                for index in missing
+            ],
+        )
 
     def _custom_ids_or_indices(self, rows: list[int]) -> dict[int, str]:
         """The rows' custom_ids from the input, or their row indices when the input cannot be read."""

@@ -16,7 +16,7 @@ class EngineConfig:
     # "auto": the dtype and INT8 scheme measured fastest on this machine at load (path_plan.py)
     dtype: str = "auto"
     quantization: Literal["auto", "int8"] | None = "auto"
-    int8_backend: Literal["auto", "int_mm", "onednn"] = "auto"  # CPU INT8 GEMM; "auto": measured
+    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = "auto"  # CPU INT8 GEMM; "auto": measured
     # CPU INT8: products of at most this many rows run our weight-streaming kernel; "auto": measured, 0: never
     small_batch_rows: int | Literal["auto"] = "auto"
     kv_cache_dtype: str = "int8"  # "int8" or "auto" (= the compute dtype)
@@ -50,8 +50,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, "auto", "int8"):
             raise ValueError(f"quantization must be None, 'auto' or 'int8', got {self.quantization!r}")
-        if self.int8_backend not in ("auto", "int_mm", "onednn"):
-            raise ValueError(f"int8_backend must be 'auto', 'int_mm' or 'onednn', got {self.int8_backend!r}")
+        if self.int8_backend not in ("auto", "int_mm", "onednn", "amx"):
+            raise ValueError(f"int8_backend must be 'auto', 'int_mm', 'onednn' or 'amx', got {self.int8_backend!r}")
         if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
             raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
         if self.batch_invariant_rows != "auto" and not (

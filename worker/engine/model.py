@@ -56,11 +56,11 @@ class DecoderModel:
 
         def linear(
             weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
-            wide: tuple[int, ...] = wide_rows,
+            wide: tuple[int, ...] = wide_rows, gated: bool = False,
         ) -> Linear:
             return make_linear(
                 weight.to(device), None if bias is None else bias.to(device), dtype, quantization, out_dtype,
-                int8_backend, small_batch_rows, invariant_rows, wide,
+                int8_backend, small_batch_rows, invariant_rows, wide, gated,
             )
 
         def get(name: str) -> torch.Tensor:
@@ -71,13 +71,15 @@ class DecoderModel:
         def optional(name: str) -> torch.Tensor | None:
             return get(name).to(dtype) if name in tensors else None
 
+        silu = config.hidden_act == "silu"  # the gate/up products are then only used through silu_mul
+
         def moe_block(p: str) -> MoEBlock:
             """A sparse layer's router (float32, like transformers' router logits) and per-expert linears, each
             its own product (INT8: its own per-channel scales, GEMM and small-batch path)."""
             gate_up, down = get(p + "experts.gate_up"), get(p + "experts.down")
             return MoEBlock(
                 FloatLinear(get(p + "router"), None, torch.float32, torch.float32, invariant_rows, wide_rows),
-                [linear(w, None) for w in gate_up.unbind(0)], [linear(w, None) for w in down.unbind(0)],
+                [linear(w, None, gated=silu) for w in gate_up.unbind(0)], [linear(w, None) for w in down.unbind(0)],
                 config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act,
             )  # fmt: skip
 
@@ -105,7 +107,7 @@ class DecoderModel:
                     qkv=linear(get(p + "qkv"), tensors.get(p + "qkv_bias")),
                     o_proj=linear(get(p + "o_proj"), None),
                     mlp_norm=get(p + "mlp_norm").to(dtype),
-                    gate_up=None if config.is_sparse(i) else linear(get(p + "gate_up"), None),
+                    gate_up=None if config.is_sparse(i) else linear(get(p + "gate_up"), None, gated=silu),
                     down=None if config.is_sparse(i) else linear(get(p + "down"), None),
                     rope=local_rope if config.window(i) else global_rope,
                     q_norm=optional(p + "q_norm"),

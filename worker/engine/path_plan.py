@@ -28,7 +28,13 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_decode_attention, cpu_int8_linear, cpu_int8_small_batch, cpu_prefill_attention
+from kernels import (
+    cpu_decode_attention,
+    cpu_int8_gemm_amx,
+    cpu_int8_linear,
+    cpu_int8_small_batch,
+    cpu_prefill_attention,
+)
 from kernels._cpu_build import CSRC
 from kernels.platform import active_tier, amx_allowed, cpu_info
 from worker.engine.attention import AttentionMetadata, KVCache
@@ -87,6 +93,7 @@ class ExecutionPlan:
         s = self.scheme
         if s.quantization == "int8":
             gemm = {"int_mm": "W8A8 torch._int_mm (s8 x s8)", "onednn": "W8A8 oneDNN qlinear (u8 x s8)",
+                    "amx": "W8A8 own AMX tile GEMM (s8 x s8, fused epilogue)",
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
             if self.small_batch is not None and self.small_batch.rows:
@@ -136,6 +143,8 @@ def candidate_schemes(device: torch.device) -> list[Scheme]:
     backends: list[Int8Backend] = ["int_mm"]
     if device.type == "cpu" and cpu_int8_linear.onednn_available():
         backends.append("onednn")
+    if device.type == "cpu" and cpu_int8_gemm_amx.available() and cpu_int8_linear.available():
+        backends.append("amx")
     schemes = [Scheme(d, None) for d in dtypes]
     schemes += [Scheme(d, "int8", b) for d in dtypes for b in backends]
     return schemes

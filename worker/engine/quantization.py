@@ -1,7 +1,8 @@
-"""Linear layers: float, or INT8 weights with per-token INT8 activations (W8A8) on one of two GEMMs.
+"""Linear layers: float, or INT8 weights with per-token INT8 activations (W8A8) on one of three GEMMs.
 
 INT8 backends: "int_mm" runs torch._int_mm (s8 x s8; fast with AVX-512 VNNI, and the CUDA path), "onednn"
-runs oneDNN's u8 x s8 qlinear (fast on AVX2, where torch._int_mm is 50x slower than float32); path_plan.py
+runs oneDNN's u8 x s8 qlinear (fast on AVX2, where torch._int_mm is 50x slower than float32), "amx" our own
+GEMM on AMX tiles with the epilogue fused (kernels/cpu_int8_gemm_amx.py; CPUs with AMX-INT8); path_plan.py
 measures which one this machine runs faster. On CPU, batches of at most `small_batch_rows` rows take our
 own weight-streaming product instead (kernels/cpu_int8_small_batch.py; the threshold is measured by
 small_batch_plan.py): same weight codes, exact integer products, so the outputs do not change with it.
@@ -14,10 +15,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_linear, cpu_int8_small_batch
+from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch
 from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weight_per_channel
 
-Int8Backend = Literal["int_mm", "onednn", "triton"]
+Int8Backend = Literal["int_mm", "onednn", "amx", "triton"]
 
 
 def gated(linear: Linear, x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -177,7 +178,48 @@ class OnednnInt8Linear:
         return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype)
 
 
-Linear = FloatLinear | Int8Linear | OnednnInt8Linear
+class AmxInt8Linear:
+    """W8A8 through our AMX tile GEMM: the codes packed once for the tiles (the gate/up weight in gated
+    blocks, so SiLU-and-multiply runs on each block of products), the epilogue applied in L1."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        out_dtype: torch.dtype | None,
+        small_batch_rows: int = 0,
+        gated: bool = False,
+    ) -> None:
+        w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
+        # silu_mul needs the gated packing (2 * I a multiple of 32); such a weight is only ever used that way
+        self.gated = gated and bias is None and w_q.shape[0] % 32 == 0
+        self.weight = cpu_int8_gemm_amx.pack_gated(w_q) if self.gated else cpu_int8_gemm_amx.pack(w_q)
+        self.bias = bias.to(dtype) if bias is not None else None
+        self.out_dtype = out_dtype
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gated:
+            raise ValueError("a gated AMX weight computes silu(gate) * up only (silu_mul)")
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_small_batch(
+                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
+            )
+        return cpu_int8_gemm_amx.int8_linear_amx(x, self.weight, self.w_scale, self.bias, self.out_dtype, residual)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            gate, up = self(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
+                x, self.small.codes, self.w_scale, self.out_dtype, self.small.w_sums
+            )
+        return cpu_int8_gemm_amx.int8_linear_silu_mul_amx(x, self.weight, self.w_scale, self.out_dtype)
+
+
+Linear = FloatLinear | Int8Linear | OnednnInt8Linear | AmxInt8Linear
 
 
 def make_linear(
@@ -190,13 +232,17 @@ def make_linear(
     small_batch_rows: int = 0,
     invariant_rows: int = 0,
     wide_rows: tuple[int, ...] = (),
+    gated: bool = False,
 ) -> Linear:
-    """int8_backend: "onednn" on CPU when path_plan.py chose it; anything else runs int8_linear's dispatch.
+    """int8_backend: "onednn" or "amx" on CPU when path_plan.py chose it; anything else runs int8_linear's
+    dispatch. gated: a gate-then-up weight only ever used through silu_mul (the AMX backend packs it so).
     small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
     invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product; wide_rows:
     larger blocks that round like them."""
     if quantization == "int8":
         if int8_backend == "onednn" and weight.device.type == "cpu":
             return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
+        if int8_backend == "amx" and weight.device.type == "cpu" and cpu_int8_gemm_amx.supports(weight):
+            return AmxInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows, gated)
         return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
     return FloatLinear(weight, bias, dtype, out_dtype, invariant_rows, wide_rows)

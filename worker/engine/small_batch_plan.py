@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_int8_linear, cpu_int8_small_batch, int8_linear, quantize_weight_per_channel
+from kernels import (
+    cpu_int8_gemm_amx,
+    cpu_int8_linear,
+    cpu_int8_small_batch,
+    int8_linear,
+    quantize_weight_per_channel,
+)
 from worker.engine.config import DTYPES, ModelConfig
 from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
 
@@ -85,6 +91,9 @@ def _library_product(codes: torch.Tensor, scale: torch.Tensor, int8_backend: str
     if int8_backend == "onednn":
         packed = cpu_int8_linear.prepack_codes(codes, scale)
         return lambda x: cpu_int8_linear.int8_linear_onednn(x, packed)
+    if int8_backend == "amx" and cpu_int8_gemm_amx.supports(codes):  # else int_mm, as make_linear falls back
+        tiles = cpu_int8_gemm_amx.pack(codes)
+        return lambda x: cpu_int8_gemm_amx.int8_linear_amx(x, tiles, scale)
     w_q_t = codes.t()
     return lambda x: int8_linear(x, w_q_t, scale)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_int8_gemm_amx
 from worker.engine import timing
 from worker.engine.config import EngineConfig, ModelConfig
 from worker.engine.path_plan import TIE_RATIO, cache_key, candidate_schemes, measure_schemes, plan_for
@@ -42,6 +43,8 @@ def every_scheme(seconds: float) -> dict[str, float]:
 def test_every_candidate_is_measured_on_the_model_shapes() -> None:
     candidates = candidate_schemes(CPU)
     assert {s.name for s in candidates} >= {"float32", "bfloat16", "float32+int8/int_mm"}
+    if cpu_int8_gemm_amx.available():  # AMX machines measure the tile GEMM too
+        assert "bfloat16+int8/amx" in {s.name for s in candidates}
     timings = measure_schemes(SMALL, candidates, decode_rows=8)
     assert set(timings) == {s.name for s in candidates}
     assert all(0 < t < 1 for t in timings.values())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_int8_linear, cpu_int8_small_batch
+from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch
 from worker.engine import timing
 from worker.engine.config import ModelConfig
 from worker.engine.quantization import make_linear
@@ -19,7 +19,11 @@ pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no
 SMALL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
                     tie_word_embeddings=True)  # fmt: skip
-BACKENDS = ["int_mm", *(["onednn"] if cpu_int8_linear.onednn_available() else [])]
+BACKENDS = [
+    "int_mm",
+    *(["onednn"] if cpu_int8_linear.onednn_available() else []),
+    *(["amx"] if cpu_int8_gemm_amx.available() else []),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +81,12 @@ def test_either_path_gives_the_same_output(backend: str, dtype: torch.dtype) -> 
         assert torch.equal(small(x, residual=residual), library(x, residual=residual))
         assert torch.equal(small.silu_mul(x), library.silu_mul(x))
     assert not small.small.takes(torch.zeros(9, 64))
+    # a gate/up weight only used through silu_mul (the AMX backend packs it in gated blocks)
+    gated_library = make_linear(weight, None, dtype, "int8", int8_backend=backend, small_batch_rows=0, gated=True)
+    gated_small = make_linear(weight, None, dtype, "int8", int8_backend=backend, small_batch_rows=8, gated=True)
+    for rows in (1, 8, 40):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        assert torch.equal(gated_small.silu_mul(x), gated_library.silu_mul(x))
 
 
 def test_measurement_covers_every_row_count() -> None:

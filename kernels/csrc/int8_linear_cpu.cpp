@@ -345,6 +345,47 @@ void rms_norm_kernel(const T* x, const T* weight, float eps, T* out, int64_t row
   });
 }
 
+// Rotary embedding in place, bfloat16: for each head's first `rot` dims, halves x1, x2 become
+// x1 * cos1 + x2 * ssin1 and x2 * cos2 + x1 * ssin2 (ssin: sin with the first half negated), each product
+// rounded to bfloat16 and then the sum, exactly as the torch expression x * cos + swapped * ssin computes
+// it in bfloat16 (worker/engine/rope.py): the same bits, in one pass instead of four.
+inline at::BFloat16 rope_value(float a, float ca, float b, float sb) {
+  const float first = static_cast<float>(static_cast<at::BFloat16>(a * ca));
+  const float second = static_cast<float>(static_cast<at::BFloat16>(b * sb));
+  return static_cast<at::BFloat16>(first + second);
+}
+
+void rope_kernel(at::BFloat16* x, int64_t row_stride, const at::BFloat16* cos, const at::BFloat16* ssin,
+                 int64_t rows, int64_t heads, int64_t head_dim, int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* c = cos + r * rot;
+      const at::BFloat16* s = ssin + r * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        at::BFloat16* v = x + r * row_stride + h * head_dim;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(v + i, 0xFFFF), x2 = load16(v + half + i, 0xFFFF);
+          const __m512 t1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load16(c + i, 0xFFFF))),
+                                          round_bf16(_mm512_mul_ps(x2, load16(s + i, 0xFFFF))));
+          const __m512 t2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load16(c + half + i, 0xFFFF))),
+                                          round_bf16(_mm512_mul_ps(x1, load16(s + half + i, 0xFFFF))));
+          store16(v + i, t1, 0xFFFF);
+          store16(v + half + i, t2, 0xFFFF);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[half + i]);
+          v[i] = rope_value(x1, static_cast<float>(c[i]), x2, static_cast<float>(s[i]));
+          v[half + i] = rope_value(x2, static_cast<float>(c[half + i]), x1, static_cast<float>(s[half + i]));
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
 }
@@ -491,10 +532,26 @@ void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor o
   });
 }
 
+// x [T, heads, head_dim] bfloat16 (head_dim contiguous, heads side by side; rows may be strided, e.g. the
+// query and key heads of a fused qkv output), cos and ssin [T, rot] bfloat16 contiguous (rot even, <= head_dim):
+// rotated in place; dims past rot are left as they are.
+void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be a bfloat16 [T, heads, head_dim] tensor with each row's heads contiguous");
+  for (const auto* t : {&cos, &ssin})
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->size(0) == x.size(0),
+                "cos and ssin must be contiguous bfloat16 [T, rot] tensors");
+  const int64_t rot = cos.size(1);
+  TORCH_CHECK(ssin.size(1) == rot && rot % 2 == 0 && rot <= x.size(2), "rot must be even and at most head_dim");
+  rope_kernel(x.data_ptr<at::BFloat16>(), x.stride(0), cos.const_data_ptr<at::BFloat16>(),
+              ssin.const_data_ptr<at::BFloat16>(), x.size(0), x.size(1), x.size(2), rot);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("dequantize_silu_mul", &dequantize_silu_mul);
   m.def("write_kv_int8", &write_kv_int8);
   m.def("rms_norm", &rms_norm);
+  m.def("rope", &rope);
 }

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from kernels import rope as kernels_rope
 from worker.engine.config import ModelConfig
 
 
@@ -102,9 +103,11 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [num_tokens, heads, head_dim] -> rotated, a new tensor (HF's x * cos + rotate_half(x) * sin on
-        the first rotary_dim dims, the rest passed through)."""
+        """x: [num_tokens, heads, head_dim] -> rotated: HF's x * cos + rotate_half(x) * sin on the first
+        rotary_dim dims, the rest passed through. In place on CPU bfloat16 (x is returned), else a new tensor."""
         cos, signed_sin = tables
+        if kernels_rope.supports(x, cos):  # CPU bfloat16: the same bits in one pass, in place
+            return kernels_rope.rotate_(x, cos, signed_sin)
         rot_dim = cos.shape[-1]
         if rot_dim == x.shape[-1]:
             swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]

@@ -307,8 +307,9 @@ __attribute__((always_inline)) inline void score_block_vnni(
       for (int64_t t = 0; t < 16; ++t) ks[t] = t < m ? to_float(kscale[(u0 + t) * kv_heads + kvh]) : 0.f;
       const __m512 kscales = _mm512_load_ps(ks);
       for (int64_t r = 0; r < rows; ++r) {
-        // this row's lanes here: [lo, n)
-        const int64_t n = std::min<int64_t>(16, run.end(r) - t0 - u0);
+        // this row's lanes here: [lo, n), within the slots loaded (a window can start the run mid-block, and
+        // then 16 lanes from u0 reach past the block: those must not count, not even towards the maximum)
+        const int64_t n = std::min<int64_t>(m, run.end(r) - t0 - u0);
         const int64_t lo = std::max<int64_t>(0, run.begin(r) - t0 - u0);
         if (n <= lo) continue;
         const __mmask16 live = __mmask16(((1u << n) - 1) & ~((1u << lo) - 1));

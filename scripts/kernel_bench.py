@@ -3,6 +3,7 @@
   python scripts/kernel_bench.py --device cuda [--out DIR]   # each Triton kernel vs the torch path on CUDA
   python scripts/kernel_bench.py --device cpu [--out DIR]    # the CPU paths: decode chunk sizes, W8A8 vs bf16
   python scripts/kernel_bench.py --device cpu --ops small_batch   # the small-batch INT8 product's two AVX2 forms
+  python scripts/kernel_bench.py --device cpu --ops amx_gemm      # the AMX tile GEMM vs oneDNN, a layer's products
 
 Every case runs in its own try block: a failure is recorded in the JSON and the rest still run.
 Times are medians in milliseconds.
@@ -200,6 +201,42 @@ def small_batch_cases(device: str, quick: bool) -> list[dict]:
     return cases
 
 
+def amx_gemm_cases(device: str, quick: bool) -> list[dict]:
+    """One SmolLM2 layer's four W8A8 products (bfloat16 activations; quantization and epilogue included) on
+    the AMX tile GEMM and on oneDNN's qlinear with our passes, after checking they agree bit for bit."""
+    from kernels import cpu_int8_gemm_amx, cpu_int8_linear
+
+    if device != "cpu" or not (cpu_int8_gemm_amx.available() and cpu_int8_linear.onednn_available()):
+        return []
+    reps = 5 if quick else 20
+    layer = []  # (codes, scale, AMX weight, oneDNN weight, gated)
+    for N, K in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K), cpu_int8_linear.weight_qmax())
+        gated = N == 3072  # the gate/up product: SiLU-and-multiply fused
+        tiles = cpu_int8_gemm_amx.pack_gated(w_q) if gated else cpu_int8_gemm_amx.pack(w_q)
+        layer.append((w_q, w_scale, tiles, cpu_int8_linear.prepack_codes(w_q, w_scale), gated))
+
+    def amx(xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [cpu_int8_gemm_amx.int8_linear_silu_mul_amx(xs[w.shape[1]], t, s) if g
+                else cpu_int8_gemm_amx.int8_linear_amx(xs[w.shape[1]], t, s) for w, s, t, _, g in layer]  # fmt: skip
+
+    def onednn(xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [cpu_int8_linear.int8_linear_silu_mul_onednn(xs[w.shape[1]], o) if g
+                else cpu_int8_linear.int8_linear_onednn(xs[w.shape[1]], o) for w, _, _, o, g in layer]  # fmt: skip
+
+    cases = []
+    for M in (32, 129, 256, 512, 4096):
+        xs = {K: torch.randn(M, K).bfloat16() for K in (576, 1536)}
+        if not all(torch.equal(a, b) for a, b in zip(amx(xs), onednn(xs), strict=True)):
+            raise AssertionError(f"the AMX GEMM and oneDNN disagree at M={M}")
+        case = dict(op="int8_layer_amx_vs_onednn", M=M)
+        case["amx_ms"] = time_ms(device, reps, amx, xs)
+        case["onednn_ms"] = time_ms(device, reps, onednn, xs)
+        case["speedup"] = case["onednn_ms"] / case["amx_ms"]
+        cases.append(case)
+    return cases
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,7 +258,7 @@ def main() -> int:
         "errors": [],
     }
     suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases,
-                  small_batch=small_batch_cases)
+                  small_batch=small_batch_cases, amx_gemm=amx_gemm_cases)
     for op in args.ops.split(","):
         try:
             report["cases"].extend(suites[op](args.device, args.quick))

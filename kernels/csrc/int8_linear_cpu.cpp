@@ -167,6 +167,13 @@ inline __m256 load8(const at::BFloat16* p) {
 inline __m256 load8(const int32_t* p) {
   return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// float32 lanes rounded to bfloat16 (nearest even) and widened back, as torch's .to(bfloat16).float()
+inline __m256 round_bf16_8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(at::BFloat16* p, __m256 v) {
   // round to nearest even, as torch's float -> bfloat16 conversion (NaN stays NaN)
@@ -374,6 +381,16 @@ void rope_kernel(at::BFloat16* x, int64_t row_stride, const at::BFloat16* cos, c
                                           round_bf16(_mm512_mul_ps(x1, load16(s + half + i, 0xFFFF))));
           store16(v + i, t1, 0xFFFF);
           store16(v + half + i, t2, 0xFFFF);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = load8(v + i), x2 = load8(v + half + i);
+          const __m256 t1 = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x1, load8(c + i))),
+                                          round_bf16_8(_mm256_mul_ps(x2, load8(s + i))));
+          const __m256 t2 = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x2, load8(c + half + i))),
+                                          round_bf16_8(_mm256_mul_ps(x1, load8(s + half + i))));
+          store8(v + i, t1);
+          store8(v + half + i, t2);
         }
 #endif
         for (; i < half; ++i) {

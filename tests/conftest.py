@@ -8,6 +8,7 @@ tokenizer (vocab 49152), so fast tests run the real engine and service code end 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +120,12 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path)
     return save_tiny_model(
         Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, seed=1
     )
+
+
+@pytest.fixture(scope="module")
+def falcon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint folder of an architecture the engine does not run (the loader refuses it); one per test
+    module, so each module's registry rows name its own folder."""
+    folder = tmp_path_factory.mktemp("falcon")
+    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "max_position_embeddings": 2048}))
+    return folder

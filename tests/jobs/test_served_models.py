@@ -39,14 +39,6 @@ FRESH = f"unrecorded-{SUFFIX}"  # no worker has recorded it
 
 
 @pytest.fixture(scope="module")
-def falcon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A checkpoint folder of an architecture the engine does not run."""
-    folder = tmp_path_factory.mktemp("falcon")
-    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "max_position_embeddings": 2048}))
-    return folder
-
-
-@pytest.fixture(scope="module")
 def sessions(pg_url: str) -> Iterator[sessionmaker[Session]]:
     engine = make_engine(pg_url)
     yield make_session_factory(engine)

@@ -6,7 +6,6 @@ the loader's message and field "model"."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +25,6 @@ from tests.service.fixtures import (
 
 pytestmark = pytest.mark.slow
 REFUSAL = "unsupported architecture 'falcon'"
-
-
-@pytest.fixture(scope="module")
-def falcon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("falcon")
-    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "max_position_embeddings": 2048}))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,6 @@ def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path)
 
 
 @pytest.fixture(scope="module")
-def falcon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("falcon")
-    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "max_position_embeddings": 2048}))
-    return folder
-
-
-@pytest.fixture(scope="module")
 def ctx(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerContext]:
     # No cap: each model is served with its own context.
     with worker_context(pg_url, tmp_path_factory, max_model_len=None, kv_cache_memory_gb=0.05) as context:

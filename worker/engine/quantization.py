@@ -103,7 +103,46 @@ class _SmallBatch:
         return x.shape[0] <= self.rows
 
 
-class Int8Linear:
+class _Int8Layer:
+    """What the INT8 backends share: the small-batch path for few rows, the backend's GEMM (`_product`,
+    `_product_silu_mul`) for more, over the same codes and scales, so a row's outputs do not depend on which
+    ran. SiLU-and-multiply is fused unless the layer has a bias (or the backend cannot fuse it here)."""
+
+    w_scale: torch.Tensor  # [out] float32
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype | None  # None: the input's dtype
+    small: _SmallBatch
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fuses_silu_mul(self) -> bool:
+        return self.bias is None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_small_batch(
+                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
+            )
+        return self._product(x, residual)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU when fused."""
+        if not self._fuses_silu_mul():
+            gate, up = self(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        if self.small.takes(x):
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
+                x, self.small.codes, self.w_scale, self.out_dtype, self.small.w_sums
+            )
+        return self._product_silu_mul(x)
+
+
+class Int8Linear(_Int8Layer):
     """Per-output-channel symmetric INT8 weights, quantized once at load time."""
 
     def __init__(
@@ -117,30 +156,17 @@ class Int8Linear:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
-        self.out_dtype = out_dtype  # None: the input's dtype
+        self.out_dtype = out_dtype
         self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)  # the same codes: no extra memory
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_small_batch(
-                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
-            )
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU."""
-        if self.bias is not None:
-            gate, up = self(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
-                x, self.small.codes, self.w_scale, self.out_dtype, self.small.w_sums
-            )
+    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
 
 
-class OnednnInt8Linear:
+class OnednnInt8Linear(_Int8Layer):
     """W8A8 through oneDNN's u8 x s8 GEMM (weights prepacked once; per-token scales in our epilogue).
 
     With a small-batch path the plain codes are kept beside oneDNN's packed copy (the packing is opaque),
@@ -154,31 +180,20 @@ class OnednnInt8Linear:
         out_dtype: torch.dtype | None,
         small_batch_rows: int = 0,
     ) -> None:
-        w_q, w_scale = quantize_weight_per_channel(weight.float(), cpu_int8_linear.weight_qmax())
-        self.weight = cpu_int8_linear.prepack_codes(w_q, w_scale)
+        w_q, self.w_scale = quantize_weight_per_channel(weight.float(), cpu_int8_linear.weight_qmax())
+        self.weight = cpu_int8_linear.prepack_codes(w_q, self.w_scale)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, w_scale, small_batch_rows)
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_small_batch(
-                x, self.small.codes, self.weight.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
-            )
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            gate, up = self(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
-                x, self.small.codes, self.weight.w_scale, self.out_dtype, self.small.w_sums
-            )
+    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype)
 
 
-class AmxInt8Linear:
+class AmxInt8Linear(_Int8Layer):
     """W8A8 through our AMX tile GEMM: the codes packed once for the tiles (the gate/up weight in gated
     blocks, so SiLU-and-multiply runs on each block of products), the epilogue applied in L1."""
 
@@ -199,23 +214,15 @@ class AmxInt8Linear:
         self.out_dtype = out_dtype
         self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _fuses_silu_mul(self) -> bool:
+        return self.gated
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.gated:
             raise ValueError("a gated AMX weight computes silu(gate) * up only (silu_mul)")
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_small_batch(
-                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
-            )
         return cpu_int8_gemm_amx.int8_linear_amx(x, self.weight, self.w_scale, self.bias, self.out_dtype, residual)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gated:
-            gate, up = self(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
-        if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
-                x, self.small.codes, self.w_scale, self.out_dtype, self.small.w_sums
-            )
+    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8_gemm_amx.int8_linear_silu_mul_amx(x, self.weight, self.w_scale, self.out_dtype)
 
 

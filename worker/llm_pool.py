@@ -2,14 +2,14 @@
 engine configuration (a different quantization or KV dtype replaces it). Before building an engine the
 pool inspects the model (worker/model_registry.py) and records it in the model registry: a model the
 engine cannot load raises UnservableModel without a load, and the engine's context is the one the API
-checks jobs against (served_models.model_context)."""
+checks jobs against (served_models.model_context); where the KV pool cuts it, the pool records the cut one."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jobs.domain.schemas import ResolvedParams
 from jobs.domain.served_models import model_context, unservable
@@ -80,15 +80,10 @@ class LLMPool:
         )
         self._key = key
         log.info("loaded %s in %.1fs", key, time.monotonic() - started)
-        if not self._llm.engine.kv_blocks.fits(self._llm.max_model_len):
-            # Uncapped, a long-context model can outgrow the KV pool: rows that could reach the full
-            # context are refused one by one (the engine's "raise kv_cache_memory_gb").
-            log.warning(
-                "the KV cache cannot hold one sequence of %s's full context (%d tokens): set "
-                "FREIGHT_MAX_MODEL_LEN lower or raise FREIGHT_KV_CACHE_MEMORY_GB",
-                key.model,
-                self._llm.max_model_len,
-            )
+        if self._llm.engine.context_cut and self.registry is not None:
+            # The KV pool, not the model, bounds the context (the engine cut it and said so): the API
+            # checks jobs against what this worker serves.
+            self.registry.record(replace(facts, context_len=self._llm.max_model_len))
         return self._llm
 
     @property

@@ -28,7 +28,9 @@ class UnservableModel(ValueError):
 class ModelFacts:
     name: str  # as jobs and queues name it
     model_type: str | None
-    context_len: int | None  # the model's own context (max_position_embeddings); None when refused
+    # the model's own context (max_position_embeddings), or the shorter one a worker's KV pool cut it to
+    # (llm_pool.py); None when refused
+    context_len: int | None
     error: str | None = None  # the loader's refusal
 
     @property

@@ -29,6 +29,7 @@ from tests.conftest import TINY_SHAPE, save_tiny_model
 from tests.worker.contexts import worker_context
 from worker.embedded import run_embedded
 from worker.engine.config import SUPPORTED_MODEL_TYPES
+from worker.engine.sampling_params import SamplingParams
 from worker.finalize import finalize_job
 from worker.llm_pool import EngineKey, LLMPool
 from worker.model_registry import ModelRegistry, inspect_model
@@ -87,6 +88,26 @@ def test_loading_records_the_model_and_the_engine_serves_the_context_the_api_che
         assert capped_llm.max_model_len == 512
     finally:
         capped_llm.close()
+
+
+def test_a_kv_pool_shorter_than_the_context_cuts_it_and_the_api_checks_the_cut_one(
+    ctx: WorkerContext, long_llama_dir: Path
+) -> None:
+    # float32 KV of the tiny Llama: 2 layers x 2 KV heads x 16 x (K, V) x 4 bytes = 512 bytes a token, so
+    # 0.0005 GiB holds 1,048 tokens: 65 blocks of 16, 1,040 tokens, under the model's own 4,096
+    small = LLMPool(ctx.settings.model_copy(update={"kv_cache_memory_gb": 0.0005}), ModelRegistry(ctx.sessions))
+    llm = small.load(small_engine(long_llama_dir))
+    try:
+        assert (llm.max_model_len, llm.engine.context_cut) == (1040, True)
+        with ctx.sessions() as session:
+            assert get_model(session, name=str(long_llama_dir)).context_len == 1040
+        assert service(ctx).served(str(long_llama_dir)).context_len == 1040
+        # a row asking for more than the pool holds runs to the cut context instead of being refused
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3000, ignore_eos=True))[0]
+        assert (out.finish_reason, len(out.output_token_ids)) == ("length", 1037)
+    finally:
+        llm.close()
+        ModelRegistry(ctx.sessions).record(inspect_model(str(long_llama_dir)))  # the model's own again
 
 
 def test_freight_models_list_shows_each_models_context_and_the_unrecorded_ones(

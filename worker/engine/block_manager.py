@@ -347,6 +347,15 @@ class BlockCoordinator:
         """Whether a sequence of `num_tokens` tokens fits each pool alone."""
         return all(g.max_blocks(num_tokens) <= g.num_blocks for g in self.groups)
 
+    def longest_fit(self, limit: int) -> int:
+        """The most tokens (at most `limit`) one sequence can reach with each pool to itself; 0 if none.
+        Binary search on `fits`, so the rule stays max_blocks' (a window group's need stops growing)."""
+        low, high = 0, limit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.fits(mid) else (low, mid - 1)
+        return low
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return all(g.can_allocate(seq, num_tokens) for g in self.groups)
 
@@ -375,12 +384,15 @@ class BlockCoordinator:
         bs = self.block_size
         return min((len(g.table(seq)) + g.num_free + g.num_out_of_window(seq)) * bs for g in self.groups)
 
-    def admission_capacity(self, prefix: CachedPrefix) -> int:
+    def admission_capacity(self, prefix: CachedPrefix, keep_reserve: bool = True) -> int:
         """Tokens a waiting sequence admitted with `prefix` can hold, keeping the admission reserve free
-        (unreferenced cached blocks of the prefix count as free until it takes them); 0: it waits."""
+        when `keep_reserve` (unreferenced cached blocks of the prefix count as free until it takes them);
+        0: it waits. With nothing running there is no decode to protect: the reserve would only keep a
+        sequence as long as the whole pool out for good."""
+        reserves = self.admission_reserve if keep_reserve else [0] * len(self.groups)
         free = [
             g.num_free - reserve - g.num_evictable(table)
-            for g, table, reserve in zip(self.groups, prefix.tables, self.admission_reserve, strict=True)
+            for g, table, reserve in zip(self.groups, prefix.tables, reserves, strict=True)
         ]
         if min(free) < 0:
             return 0

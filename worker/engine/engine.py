@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -28,6 +29,8 @@ from worker.engine.stopping import FinishChecker
 from worker.engine.structured import StructuredDecoder
 from worker.engine.verify import SampleGroup, next_tokens, sample_chunks
 from worker.engine.weights import canonical_tensors
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
@@ -88,6 +91,8 @@ class LLMEngine:
             layers=[len(group.layers) for group in groups],
         )
         self.blocks = self.kv_blocks.groups[0]  # KV group 0's manager: every layer's, without window layers
+        wanted, self.max_model_len = self.max_model_len, self._context_in_pool()
+        self.context_cut = self.max_model_len < wanted  # the KV pool, not the model or config, bounds it
         self.scheduler = Scheduler(config, self.kv_blocks)
         self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
         # KV use in blocks of every layer (a window group's blocks weigh its share of the layers)
@@ -159,6 +164,19 @@ class LLMEngine:
             raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB holds no {per_block}-byte block")
         return counts
 
+    def _context_in_pool(self) -> int:
+        """max_model_len cut to the longest sequence the KV pool holds, so a row asking for more output than
+        fits runs to the pool's length (finish "length") instead of being refused. The rope tables keep the
+        longer length (a LongRoPE model keeps the factor set picked for it)."""
+        fit = self.kv_blocks.longest_fit(self.max_model_len)
+        if fit < self.max_model_len:
+            log.warning(
+                "context cut from %d to %d tokens: the KV cache (%d blocks of %d tokens) holds no longer "
+                "sequence; raise kv_cache_memory_gb for more", self.max_model_len, fit,
+                self.kv_blocks.num_blocks, self.config.block_size,
+            )
+        return fit
+
     def _window_blocks(self, groups: list[KVGroup]) -> list[int]:
         """Per group, the blocks that hold every sequence the engine can run at once (0: full attention):
         max_num_seqs decodes, each reading its window plus a draft (a block more where the window straddles
@@ -200,15 +218,12 @@ class LLMEngine:
         if n == 0:
             return "empty prompt: it has no tokens"
         if n >= self.max_model_len:
-            return f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no room for output"
+            why = " (all the KV cache holds: raise kv_cache_memory_gb)" if self.context_cut else ""
+            return (f"prompt has {n} tokens; max_model_len is {self.max_model_len}{why}, which leaves no room "
+                    "for output")
         vocab = self.model_config.vocab_size
         if min(seq.prompt_token_ids) < 0 or max(seq.prompt_token_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
-        longest = min(n + seq.params.max_tokens, self.max_model_len)
-        if not self.kv_blocks.fits(longest):
-            held = min(g.num_blocks for g in self.kv_blocks.groups) * self.config.block_size
-            return (f"request needs up to {longest} tokens of KV cache but the pool holds "
-                    f"{held}; raise kv_cache_memory_gb")
         return None
 
     def has_unfinished(self) -> bool:

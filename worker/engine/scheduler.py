@@ -147,7 +147,7 @@ class Scheduler:
             if self._waits_for_in_flight(seq, cached.num_blocks, in_flight):
                 return
             start = cached.num_blocks * self.blocks.block_size
-            num = min(seq.num_tokens - start, budget, self.blocks.admission_capacity(cached) - start)
+            num = min(seq.num_tokens - start, budget, self.blocks.admission_capacity(cached, bool(self.running)) - start)
             if num <= 0:
                 return
             self._pop_waiting(seq)

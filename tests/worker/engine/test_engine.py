@@ -88,9 +88,13 @@ def test_request_that_cannot_fit_errors_alone(tiny_llama_dir) -> None:
     assert outs[0].finish_reason == "length" and len(outs[0].output_token_ids) == 4
     assert outs[1].finish_reason == "error" and "max_model_len" in outs[1].error
     assert outs[2].finish_reason == "error" and "empty" in outs[2].error
-    # 36 + 4 tokens need 10 blocks of 4: it fits exactly; one more output token would not
-    assert outs[3].finish_reason == "length"
-    too_big = llm.generate([ok * 13], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    # 36 + 4 tokens need 10 blocks of 4: it fits exactly
+    assert outs[3].finish_reason == "length" and len(outs[3].output_token_ids) == 4
+    # the context is cut from 64 to the 40 tokens the pool holds: a row asking for more output runs to it
+    assert llm.max_model_len == 40 and llm.engine.context_cut
+    longer = llm.generate([ok * 13], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert longer.finish_reason == "length" and len(longer.output_token_ids) == 1
+    too_big = llm.generate([ok * 13 + [5]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert too_big.finish_reason == "error" and "kv_cache_memory_gb" in too_big.error
 
 

@@ -33,12 +33,17 @@ from worker.engine.weights import canonical_tensors
 log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
-LOGITS_CHUNK_ROWS = 512  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
-# Logits rows a step samples at once. 128 rows of a 49,152-token vocabulary are 25 MB of float32, under
-# glibc's largest mmap threshold (32 MiB), so the heap hands the same memory back step after step; the
-# whole step's 256 rows (50 MB) were a fresh mapping every time, whose page faults cost ~10 ms a step on
-# the 2-core VMs (as long as the LM head product itself on the AMX one).
-SAMPLE_CHUNK_ROWS = 128
+LOGITS_CHUNK_BYTES = 96 * 2**20  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
+# Logits a step makes and samples at once, in bytes: under glibc's largest mmap threshold (32 MiB), so the
+# heap hands the same memory back step after step. A whole step's logits (256 rows of a 49,152-token
+# vocabulary: 50 MB; 64 rows of Gemma's 262,144: 67 MB) were a fresh mapping every time, whose page faults
+# cost ~10 ms a step on the 2-core VMs (as long as the LM head product itself on the AMX one).
+SAMPLE_CHUNK_BYTES = 24 * 2**20
+
+
+def sample_chunk_rows(vocab_size: int) -> int:
+    """Logits rows per sampling chunk: 128 for SmolLM2's vocabulary, 24 for Gemma's."""
+    return max(1, SAMPLE_CHUNK_BYTES // (4 * vocab_size))
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -279,10 +284,11 @@ class LLMEngine:
 
     def _collect_prompt_logprobs(self, hidden: torch.Tensor, chunk, offset: int) -> None:
         rows, targets = prompt_logprob_rows(chunk, offset)
-        for i in range(0, len(rows), LOGITS_CHUNK_ROWS):
-            part = rows[i : i + LOGITS_CHUNK_ROWS]
+        step = max(1, LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size))  # 512 rows of SmolLM2's
+        for i in range(0, len(rows), step):
+            part = rows[i : i + step]
             logits = self.model.logits(hidden[part])
-            target = torch.tensor(targets[i : i + LOGITS_CHUNK_ROWS], device=self.device)
+            target = torch.tensor(targets[i : i + step], device=self.device)
             chunk.seq.prompt_logprobs.extend(token_logprobs(logits, target))
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> tuple[list[Sequence], int]:
@@ -291,7 +297,7 @@ class LLMEngine:
         seqs, drafts = inputs.sample_seqs, inputs.sample_drafts
         chosen: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for some, rows in sample_chunks(drafts, SAMPLE_CHUNK_ROWS):
+        for some, rows in sample_chunks(drafts, sample_chunk_rows(self.model_config.vocab_size)):
             tokens, values = self._choose(hidden[inputs.sample_rows[rows]], seqs[some], drafts[some])
             chosen += tokens
             logprobs += values

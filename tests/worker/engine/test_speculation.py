@@ -475,7 +475,7 @@ def test_the_tail_values_a_token_by_the_last_steps_it_can_save() -> None:
 
 
 def test_sampling_a_step_in_chunks_of_rows_emits_what_one_chunk_does(echo_on: LLM, monkeypatch) -> None:
-    """A step's logits are made and sampled a few sequences at a time (engine.SAMPLE_CHUNK_ROWS): greedy
+    """A step's logits are made and sampled a few sequences at a time (engine.sample_chunk_rows): greedy
     with logprobs, seeded sampling, min_tokens bans and drafts come out the same in chunks of 3 rows as in one."""
     import worker.engine.engine as engine_module
 
@@ -488,7 +488,7 @@ def test_sampling_a_step_in_chunks_of_rows_emits_what_one_chunk_does(echo_on: LL
     params = params[: len(batch)]
     whole, proposed, _ = drafted(echo_on, lambda: echo_on.generate(batch, params))
     assert proposed > 0, "drafts were meant to be verified in the chunks"
-    monkeypatch.setattr(engine_module, "SAMPLE_CHUNK_ROWS", 3)
+    monkeypatch.setattr(engine_module, "SAMPLE_CHUNK_BYTES", 3 * 4 * echo_on.engine.model_config.vocab_size)
     chunked = echo_on.generate(batch, params)
     assert [(o.output_token_ids, o.finish_reason) for o in chunked] == [
         (o.output_token_ids, o.finish_reason) for o in whole

@@ -132,3 +132,23 @@ def int8_linear_silu_mul_small_batch(
         acc[:, :half], acc[:, half:], x_scale, w_scale[:half].contiguous(), w_scale[half:].contiguous(), out
     )
     return out
+
+
+def int8_argmax_small_batch(
+    x: torch.Tensor,  # [M, K] float
+    w_q: torch.Tensor,  # [N, K] int8 codes
+    w_scale: torch.Tensor,  # [N] float32
+    w_sums: torch.Tensor | None = None,  # seven_bit_row_sums(w_q), for 7-bit codes
+) -> tuple[torch.Tensor, torch.Tensor]:  # indices [M] int64, values [M] float32
+    """Each row's first maximal entry of int8_linear_small_batch(x, w_q, w_scale) (float32 out), and its
+    value, without making the [M, N] product: a greedy step's LM head (the kernel's comment says why)."""
+    _check(x, w_q, w_scale, torch.float32)
+    if w_q.shape[0] == 0:
+        raise ValueError("w_q must have at least one row")
+    if w_sums is not None and (w_sums.dtype != torch.int32 or tuple(w_sums.shape) != (w_q.shape[0],)):
+        raise ValueError(f"w_sums must be int32 [{w_q.shape[0]}], got {w_sums.dtype} {tuple(w_sums.shape)}")
+    x_q, x_scale = cpu_int8_linear.quantize_per_token_cpu(x)
+    return _modules()[0].argmax_product(
+        x_q, x_scale, w_q.contiguous(), w_scale.contiguous(), amx_enabled(),
+        None if w_sums is None else w_sums.contiguous(),
+    )

@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -404,7 +405,158 @@ bool available_amx() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Greedy picks of an INT8 LM head without its logits. A greedy step needs only each row's first maximal
+// logit, yet the [M, vocab] float32 logits (67 MB at 64 rows of Gemma's 262,144 tokens) were written, read
+// back by the max and, as int32 products, written and read once more: a few times the weights' own bytes.
+// Here each task multiplies a block of weight rows into an L1/L2-resident int32 buffer and keeps a running
+// maximum per activation row; the logits are the epilogue's own numbers (float(acc) * x_scale * w_scale,
+// dequantize_rows' order), so the picks equal max(dim=-1) of the logits the unfused path writes, first
+// index on ties and the first NaN winning, as torch's max does.
+constexpr int64_t kPickBlock = 256;  // weight rows per block: 24 rows x 256 x 4 bytes of products stay in L1
+
+struct RowPick {
+  float value;
+  int64_t index;
+};
+
+// a beats b (b found earlier): larger, or the first NaN.
+inline bool beats(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
+
+void pick_block(const int32_t* acc, int64_t M, int64_t width, const float* x_scale, const float* w_scale,
+                int64_t n0, RowPick* picks) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* a = acc + m * width;
+    const float xs = x_scale[m];
+    RowPick best = picks[m];
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    // 16 lanes at a time: the block's maximum first (NaNs checked apart: max_ps drops them), then the scalar
+    // scan only where the row's best changes
+    const __m512 xs_v = _mm512_set1_ps(xs);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    const int64_t body = width - width % 16;
+    for (; c < body; c += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(a + c)), xs_v),
+                                     _mm512_loadu_ps(w_scale + c));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      top = _mm512_max_ps(top, v);
+    }
+    if (nan || beats(_mm512_reduce_max_ps(top), best.value)) c = 0;  // rescan the body in order
+    else c = body;
+#elif defined(__AVX2__)
+    // the same with 8 lanes
+    const __m256 xs_v = _mm256_set1_ps(xs);
+    __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    const int64_t body = width - width % 8;
+    for (; c < body; c += 8) {
+      const __m256 v = _mm256_mul_ps(
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c))), xs_v),
+          _mm256_loadu_ps(w_scale + c));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      top = _mm256_max_ps(top, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    const float block_max = *std::max_element(lanes, lanes + 8);
+    if (_mm256_movemask_ps(nan) || beats(block_max, best.value)) c = 0;
+    else c = body;
+#endif
+    for (; c < width; ++c) {
+      const float v = static_cast<float>(a[c]) * xs * w_scale[c];
+      if (beats(v, best.value)) best = {v, n0 + c};
+    }
+    picks[m] = best;
+  }
+}
+
 }  // namespace
+
+// x_q [M, K] int8 with x_scale [M] float32 (per-token codes), w_q [N, K] int8 with w_scale [N] float32 ->
+// (indices [M] int64, values [M] float32): per row the first maximal float(x_q @ w_q.T) * x_scale * w_scale.
+// w_sums as for `product`.
+std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch::Tensor x_scale, torch::Tensor w_q,
+                                                        torch::Tensor w_scale, bool amx,
+                                                        c10::optional<torch::Tensor> w_sums) {
+  TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
+              "x_q must be a contiguous [M, K] int8 tensor");
+  TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kChar,
+              "w_q must be a contiguous [N, K] int8 tensor");
+  TORCH_CHECK(x_q.size(1) == w_q.size(1), "x_q and w_q must have the same K");
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = w_q.size(0);
+  TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == M && x_scale.is_contiguous() &&
+                  x_scale.scalar_type() == at::kFloat, "x_scale must be a contiguous [M] float32 tensor");
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.size(0) == N && w_scale.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat, "w_scale must be a contiguous [N] float32 tensor");
+  TORCH_CHECK(N > 0, "w_q must have rows");
+  const int8_t* x = x_q.const_data_ptr<int8_t>();
+  const int8_t* w = w_q.const_data_ptr<int8_t>();
+  const float* xs = x_scale.const_data_ptr<float>();
+  const float* ws = w_scale.const_data_ptr<float>();
+#if defined(FREIGHT_INT8_VNNI512)
+  const std::vector<int32_t> x_sums = row_sums(x, M, K);
+#else
+  const std::vector<int32_t> x_sums;
+#endif
+  const int32_t* w_sum = nullptr;
+  std::vector<uint8_t> xu;
+#if defined(__AVX2__) && !defined(FREIGHT_INT8_VNNI512)
+  if (w_sums.has_value()) {
+    TORCH_CHECK(w_sums->dim() == 1 && w_sums->size(0) == N && w_sums->is_contiguous() &&
+                    w_sums->scalar_type() == at::kInt, "w_sums must be a contiguous [N] int32 tensor");
+    w_sum = w_sums->const_data_ptr<int32_t>();
+    xu.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(x[i]) ^ 0x80;
+  }
+#endif
+  bool tiles = false;  // each block's 16-row multiples on AMX tiles, as `product` takes them
+#if defined(FREIGHT_INT8_AMX)
+  TORCH_CHECK(!amx || available_amx(), "AMX is not usable here");
+  tiles = amx && M >= kAmxMinRows && K % kAmxK == 0;
+  const std::vector<int8_t> xp = tiles ? pack_activations(x, M, K) : std::vector<int8_t>();
+#else
+  TORCH_CHECK(!amx, "built without AMX support");
+#endif
+  // One contiguous range of blocks per task, a few tasks per thread; the tasks' picks merge in order, so
+  // the first index wins ties across tasks as within one.
+  const int64_t blocks = (N + kPickBlock - 1) / kPickBlock;
+  const int64_t tasks = std::min<int64_t>(blocks, 4 * at::get_num_threads());
+  std::vector<RowPick> picks(tasks * M);
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    std::vector<int32_t> acc(M * kPickBlock);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t b_begin = blocks * t / tasks, b_end = blocks * (t + 1) / tasks;
+      RowPick* mine = picks.data() + t * M;
+      for (int64_t m = 0; m < M; ++m) mine[m] = {-INFINITY, b_begin * kPickBlock};
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t n0 = b * kPickBlock, width = std::min(kPickBlock, N - n0);
+        int64_t on_tiles = 0;
+#if defined(FREIGHT_INT8_AMX)
+        if (tiles) {
+          on_tiles = width - width % kAmxRows;
+          if (on_tiles) product_rows_amx(xp.data(), w + n0 * K, acc.data(), M, K, width, 0, on_tiles);
+        }
+#endif
+        if (on_tiles < width)
+          product_rows(x, w + n0 * K, x_sums.data(), xu.data(), w_sum ? w_sum + n0 : nullptr, acc.data(), M, K, width,
+                       on_tiles, width);
+        pick_block(acc.data(), M, width, xs, ws + n0, n0, mine);
+      }
+    }
+  });
+  torch::Tensor indices = torch::empty({M}, torch::kLong), values = torch::empty({M}, torch::kFloat);
+  int64_t* idx = indices.data_ptr<int64_t>();
+  float* val = values.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    RowPick best = picks[m];
+    for (int64_t t = 1; t < tasks; ++t)
+      if (beats(picks[t * M + m].value, best.value)) best = picks[t * M + m];
+    idx[m] = best.index;
+    val[m] = best.value;
+  }
+  return {indices, values};
+}
 
 // x_q [M, K] int8, w_q [N, K] int8 (both contiguous) -> out [M, N] int32 (contiguous) = x_q @ w_q.T, exact.
 // w_sums [N] int32 = w_q.sum(1), given only when every |w| <= 63 (the caller checks once, at load): the AVX2
@@ -463,4 +615,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("product", &product, py::arg("x_q"), py::arg("w_q"), py::arg("out"), py::arg("amx"),
         py::arg("w_sums") = py::none());
   m.def("available_amx", &available_amx);
+  m.def("argmax_product", &argmax_product, py::arg("x_q"), py::arg("x_scale"), py::arg("w_q"), py::arg("w_scale"),
+        py::arg("amx"), py::arg("w_sums") = py::none());
 }

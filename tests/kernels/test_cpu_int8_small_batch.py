@@ -9,11 +9,12 @@ import torch
 
 from kernels import cpu_int8_linear, cpu_int8_small_batch, int8_linear, quantize_weight_per_channel
 from kernels.cpu_int8_small_batch import (
+    int8_argmax_small_batch,
     int8_linear_silu_mul_small_batch,
     int8_linear_small_batch,
     int8_product,
 )
-from kernels.int8_linear import int8_linear_silu_mul
+from kernels.int8_linear import int8_linear_silu_mul, quantize_per_token_torch
 from kernels.reference import int8_linear_reference
 
 pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel")
@@ -144,6 +145,70 @@ def test_equals_the_onednn_path_bit_for_bit(M):
     )
 
 
+def logits_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The unfused LM head's float32 logits, from torch alone: exact int32 sums, then dequantize_rows' order."""
+    x_q, x_scale = quantize_per_token_torch(x)
+    acc = (x_q.to(torch.int32) @ w_q.to(torch.int32).t()).float()  # exact: |sums| < 2^24 here
+    return acc * x_scale[:, None] * w_scale[None, :]
+
+
+# N past a block of 256 rows and a tile of 16, several tasks a row; M across the VNNI tile's 4 rows and AMX's 8
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 64, 5), (3, 160, 1000), (9, 576, 4099), (24, 640, 2048), (70, 128, 777)])
+def test_argmax_equals_the_max_of_the_logits(M, K, N):
+    gen = generator(M * N)
+    x = torch.randn(M, K, generator=gen)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K, generator=gen))
+    logits = logits_reference(x, w_q, w_scale)
+    indices, values = int8_argmax_small_batch(x, w_q, w_scale)
+    expected = logits.max(dim=-1)
+    assert torch.equal(indices, expected.indices) and torch.equal(values, expected.values)
+    # and the engine's unfused path, whose logits are these
+    assert torch.equal(indices, int8_linear_small_batch(x, w_q, w_scale, out_dtype=torch.float32).max(-1).indices)
+
+
+def test_argmax_with_seven_bit_codes_and_row_sums():
+    gen = generator(13)
+    x = torch.randn(24, 576, generator=gen)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(3000, 576, generator=gen), qmax=63)
+    sums = cpu_int8_small_batch.seven_bit_row_sums(w_q)
+    expected = logits_reference(x, w_q, w_scale).max(dim=-1)
+    indices, values = int8_argmax_small_batch(x, w_q, w_scale, w_sums=sums)
+    assert torch.equal(indices, expected.indices) and torch.equal(values, expected.values)
+
+
+def test_argmax_takes_the_first_of_tied_maxima_and_the_first_nan():
+    gen = generator(5)
+    K, N = 96, 3000
+    x = torch.randn(4, K, generator=gen)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K, generator=gen))
+    logits = logits_reference(x, w_q, w_scale)
+    top = logits.max(dim=-1).indices
+    # copies of each row's winner far later (another block, another task) and just before it: the earliest wins
+    for i, j in enumerate(top.tolist()):
+        for copy in (j - 1, N - 7 - i):
+            if copy >= 0:
+                w_q[copy], w_scale[copy] = w_q[j], w_scale[j]
+    logits = logits_reference(x, w_q, w_scale)
+    indices, _ = int8_argmax_small_batch(x, w_q, w_scale)
+    assert torch.equal(indices, logits.max(dim=-1).indices)
+    assert (indices < top).any(), "a copy before the winner was meant to take its place"
+    # a NaN scale makes a NaN logit in every row; torch's max picks the first NaN, whatever else is larger
+    w_scale[2500] = w_scale[1700] = float("nan")
+    indices, values = int8_argmax_small_batch(x, w_q, w_scale)
+    assert indices.tolist() == [1700] * 4 and values.isnan().all()
+    assert torch.equal(indices, logits_reference(x, w_q, w_scale).max(dim=-1).indices)
+
+
+@pytest.mark.skipif(not cpu_int8_small_batch.amx_enabled(), reason="no AMX-INT8 on this CPU (or not allowed)")
+def test_argmax_on_amx_tiles_equals_the_simd_loop():
+    gen = generator(11)
+    x = torch.randn(40, 640, generator=gen)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(5000, 640, generator=gen))
+    expected = logits_reference(x, w_q, w_scale).max(dim=-1)
+    indices, values = int8_argmax_small_batch(x, w_q, w_scale)
+    assert torch.equal(indices, expected.indices) and torch.equal(values, expected.values)
+
+
 def test_bad_arguments_are_named():
     x_q, w_q = codes(2, 16, seed=1), codes(3, 16, seed=2)
     with pytest.raises(ValueError, match="x_q must be a 2-D int8"):
@@ -154,5 +219,9 @@ def test_bad_arguments_are_named():
         int8_linear_small_batch(torch.randn(2, 16), w_q, torch.ones(4))
     with pytest.raises(ValueError, match="residual must have shape"):
         int8_linear_small_batch(torch.randn(2, 16), w_q, torch.ones(3), residual=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="w_scale must be float32"):
+        int8_argmax_small_batch(torch.randn(2, 16), w_q, torch.ones(4))
+    with pytest.raises(ValueError, match="at least one row"):
+        int8_argmax_small_batch(torch.randn(2, 16), codes(0, 16, seed=4), torch.ones(0))
     with pytest.raises(ValueError, match="2 \\* I rows"):
         int8_linear_silu_mul_small_batch(torch.randn(2, 16), w_q, torch.ones(3))

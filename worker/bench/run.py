@@ -53,13 +53,16 @@ FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         # the defaults without prefix caching: what sharing KV blocks gains (or costs) on this workload
         "freight-no-prefix-cache": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
                                                      "enable_prefix_caching": False}),
+        # the defaults with the greedy steps' logits written and read back: what the fused greedy head gains
+        "freight-no-greedy-head": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
+                                                    "fused_greedy_head": False}),
         # the defaults without prompt-lookup speculation: what drafting gains (or costs) on this workload
         "freight-no-speculation": MappingProxyType({"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8",
                                                     "enable_speculation": False}),
     }
 )  # fmt: skip
 SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM)
-# the ablations (no small-batch kernel, no prefix caching, no speculation) run when named
+# the ablations (no small-batch kernel, prefix caching, greedy head or speculation) run when named
 DEFAULT_SYSTEMS = (TRANSFORMERS, *(s for s in FREIGHT_SYSTEMS if "-no-" not in s))
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
     # (quantization.FloatLinear); "auto": for unquantized float32 on CPU (the exact mode) the largest block at
     # which this machine's GEMM rounds a row alike at every position (invariance.py; 16 where checked), else 0
     batch_invariant_rows: int | Literal["auto"] = "auto"
+    # INT8 on CPU: a step whose rows are all plain greedy (no logprobs, grammar or min_tokens ban) picks its
+    # tokens inside the LM head's product, never writing the [rows, vocab] logits (model.greedy_picks)
+    fused_greedy_head: bool = True
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models

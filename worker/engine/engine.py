@@ -27,7 +27,7 @@ from worker.engine.step_cost import StepCost
 from worker.engine.step_inputs import StepInputs, build_step_inputs, prompt_logprob_rows
 from worker.engine.stopping import FinishChecker
 from worker.engine.structured import StructuredDecoder
-from worker.engine.verify import SampleGroup, next_tokens, sample_chunks
+from worker.engine.verify import SampleGroup, accept_greedy_rows, next_tokens, sample_chunks
 from worker.engine.weights import canonical_tensors
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class LLMEngine:
             max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
             small_batch_rows=self._small_batch_rows(), invariant_rows=invariant_rows,
             wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows),
+            greedy_head=config.fused_greedy_head,
         )
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()  # per KV group
@@ -297,10 +298,14 @@ class LLMEngine:
         seqs, drafts = inputs.sample_seqs, inputs.sample_drafts
         chosen: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for some, rows in sample_chunks(drafts, sample_chunk_rows(self.model_config.vocab_size)):
-            tokens, values = self._choose(hidden[inputs.sample_rows[rows]], seqs[some], drafts[some])
-            chosen += tokens
-            logprobs += values
+        if self.model.fused_greedy and all(self._plain_greedy(s) for s in seqs):
+            chosen = accept_greedy_rows(drafts, self.model.greedy_picks(hidden[inputs.sample_rows]))
+            logprobs = [[] for _ in seqs]
+        else:
+            for some, rows in sample_chunks(drafts, sample_chunk_rows(self.model_config.vocab_size)):
+                tokens, values = self._choose(hidden[inputs.sample_rows[rows]], seqs[some], drafts[some])
+                chosen += tokens
+                logprobs += values
         finished, rejected_rows = [], 0
         now = time.monotonic()
         for seq, draft, tokens, values in zip(seqs, drafts, chosen, logprobs, strict=True):
@@ -313,6 +318,12 @@ class LLMEngine:
                 computed = self.speculator.settle(seq, start, len(draft), len(tokens) - 1)
                 rejected_rows += 1 + len(draft) - computed
         return finished, rejected_rows
+
+    def _plain_greedy(self, seq: Sequence) -> bool:
+        """Its tokens are the logits' argmax alone: greedy, no logprobs, no grammar mask, no ban yet (a draft's
+        later rows are banned only if its first is: min_tokens counts up)."""
+        params = seq.params
+        return params.greedy and not params.logprobs and params.structured is None and not self.finisher.banned_tokens(seq)
 
     def _choose(
         self, hidden: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]

@@ -49,6 +49,7 @@ class DecoderModel:
         small_batch_rows: int = 0,  # INT8 products of at most this many rows take the small-batch kernel
         invariant_rows: int = 0,  # float products in fixed blocks of this many rows (quantization.FloatLinear)
         wide_rows: tuple[int, ...] = (),  # and in these wider blocks that round like them (layer projections)
+        greedy_head: bool = False,  # greedy picks inside an INT8 LM head on CPU (greedy_picks), where it can
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -56,11 +57,11 @@ class DecoderModel:
 
         def linear(
             weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
-            wide: tuple[int, ...] = wide_rows, gated: bool = False,
+            wide: tuple[int, ...] = wide_rows, gated: bool = False, keep_codes: bool = False,
         ) -> Linear:
             return make_linear(
                 weight.to(device), None if bias is None else bias.to(device), dtype, quantization, out_dtype,
-                int8_backend, small_batch_rows, invariant_rows, wide, gated,
+                int8_backend, small_batch_rows, invariant_rows, wide, gated, keep_codes,
             )
 
         def get(name: str) -> torch.Tensor:
@@ -91,7 +92,11 @@ class DecoderModel:
         self.norm = get("norm").to(dtype)
         # tied models have no lm_head, unless smoothing made one (its columns scaled, see smoothing.py)
         head = get("lm_head") if "lm_head" in tensors else self.embed  # [vocab, hidden]
-        self.lm_head = linear(head, None, out_dtype=torch.float32, wide=())  # checked for layer shapes only
+        # a soft-cap can round distinct logits to one value (tanh saturates), so its argmax is the logits' own
+        greedy_head = greedy_head and not config.final_logit_softcap
+        self.lm_head = linear(head, None, out_dtype=torch.float32, wide=(), keep_codes=greedy_head)
+        # greedy rows pick their token in the head's product: no [rows, vocab] logits written and read back
+        self.fused_greedy = greedy_head and not isinstance(self.lm_head, FloatLinear) and self.lm_head.picks_greedy
         global_rope = RotaryEmbedding(config, max_positions, dtype, device)
         local_rope = global_rope
         if config.local_rope_theta is not None:
@@ -166,6 +171,10 @@ class DecoderModel:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)  # per head, before rope (Qwen3, Gemma 3)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         return layer.rope.apply(q, tables), layer.rope.apply(k, tables)
+
+    def greedy_picks(self, hidden: torch.Tensor) -> list[int]:  # [n, hidden] -> n token ids
+        """Each row's first maximal logit's index, as logits(hidden).max(-1) gives it (only if fused_greedy)."""
+        return self.lm_head.argmax(hidden).tolist()  # type: ignore[union-attr]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         logits = self.lm_head(hidden)

@@ -92,12 +92,13 @@ class _SmallBatch:
     """The small-batch path of an INT8 linear on CPU: rows up to `rows` go through our own product on the
     same weight codes [out, in] as the layer's GEMM (0: never)."""
 
-    def __init__(self, codes: torch.Tensor, w_scale: torch.Tensor, rows: int) -> None:
+    def __init__(self, codes: torch.Tensor, w_scale: torch.Tensor, rows: int, keep_codes: bool = False) -> None:
         usable = codes.device.type == "cpu" and cpu_int8_small_batch.available()
         self.rows = rows if usable else 0
-        self.codes = codes if self.rows else None  # [out, in] int8, contiguous
+        kept = bool(self.rows) or (keep_codes and usable)  # keep_codes: for `argmax` at any row count
+        self.codes = codes if kept else None  # [out, in] int8, contiguous
         # the codes' row sums where they are 7-bit (the oneDNN backend's without VNNI): a faster AVX2 product
-        self.w_sums = cpu_int8_small_batch.seven_bit_row_sums(codes) if self.rows else None
+        self.w_sums = cpu_int8_small_batch.seven_bit_row_sums(codes) if kept else None
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.rows
@@ -130,6 +131,18 @@ class _Int8Layer:
             )
         return self._product(x, residual)
 
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether `argmax` runs here: codes kept on CPU, no bias."""
+        return self.small.codes is not None and self.bias is None
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens] int64
+        """Each row's first maximal float32 output, without making the [tokens, out] outputs: the same index as
+        `self(x).max(-1)` (the same codes, scales and epilogue), for a greedy step's LM head."""
+        if not self.picks_greedy:
+            raise ValueError("argmax needs the layer's codes on CPU (keep_codes) and no bias")
+        return cpu_int8_small_batch.int8_argmax_small_batch(x, self.small.codes, self.w_scale, self.small.w_sums)[0]
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU when fused."""
         if not self._fuses_silu_mul():
@@ -152,12 +165,13 @@ class Int8Linear(_Int8Layer):
         dtype: torch.dtype,
         out_dtype: torch.dtype | None,
         small_batch_rows: int = 0,
+        keep_codes: bool = False,
     ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)  # the same codes: no extra memory
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)  # the same codes: no extra memory
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
@@ -179,12 +193,13 @@ class OnednnInt8Linear(_Int8Layer):
         dtype: torch.dtype,
         out_dtype: torch.dtype | None,
         small_batch_rows: int = 0,
+        keep_codes: bool = False,
     ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float(), cpu_int8_linear.weight_qmax())
         self.weight = cpu_int8_linear.prepack_codes(w_q, self.w_scale)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
@@ -205,6 +220,7 @@ class AmxInt8Linear(_Int8Layer):
         out_dtype: torch.dtype | None,
         small_batch_rows: int = 0,
         gated: bool = False,
+        keep_codes: bool = False,
     ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
         # silu_mul needs the gated packing (2 * I a multiple of 32); such a weight is only ever used that way
@@ -212,7 +228,7 @@ class AmxInt8Linear(_Int8Layer):
         self.weight = cpu_int8_gemm_amx.pack_gated(w_q) if self.gated else cpu_int8_gemm_amx.pack(w_q)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows)
+        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)
 
     def _fuses_silu_mul(self) -> bool:
         return self.gated
@@ -240,16 +256,18 @@ def make_linear(
     invariant_rows: int = 0,
     wide_rows: tuple[int, ...] = (),
     gated: bool = False,
+    keep_codes: bool = False,
 ) -> Linear:
     """int8_backend: "onednn" or "amx" on CPU when path_plan.py chose it; anything else runs int8_linear's
     dispatch. gated: a gate-then-up weight only ever used through silu_mul (the AMX backend packs it so).
     small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
     invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product; wide_rows:
-    larger blocks that round like them."""
+    larger blocks that round like them. keep_codes: an INT8 layer on CPU keeps its plain codes for `argmax`
+    (one more byte per weight beside oneDNN's or AMX's packed copy when the small-batch path does not)."""
     if quantization == "int8":
         if int8_backend == "onednn" and weight.device.type == "cpu":
-            return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
+            return OnednnInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows, keep_codes)
         if int8_backend == "amx" and weight.device.type == "cpu" and cpu_int8_gemm_amx.supports(weight):
-            return AmxInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows, gated)
-        return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows)
+            return AmxInt8Linear(weight, bias, dtype, out_dtype, small_batch_rows, gated, keep_codes)
+        return Int8Linear(weight, bias, dtype, out_dtype, small_batch_rows, keep_codes)
     return FloatLinear(weight, bias, dtype, out_dtype, invariant_rows, wide_rows)

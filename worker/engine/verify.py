@@ -70,6 +70,16 @@ def next_tokens(
     return out
 
 
+def accept_greedy_rows(drafts: list[list[int]], picks: list[int]) -> list[list[int]]:
+    """accept_greedy for consecutive sequences, whose rows' picks [sum(1 + len(draft))] come in order."""
+    out, row = [], 0
+    for draft in drafts:
+        end = row + 1 + len(draft)
+        out.append(accept_greedy(draft, picks[row:end]))
+        row = end
+    return out
+
+
 def accept_greedy(draft: list[int], picks: list[int]) -> list[int]:
     """The draft's prefix that agrees with the model's picks [1 + k], plus the model's next pick."""
     accepted = 0

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,12 @@ class UploadTooLarge(Exception):
 
 def input_name(job_id: str) -> str:
     return f"jobs/{job_id}/input.parquet"
+
+
+def staging_name(job_id: str) -> str:
+    """Where a submission's upload waits while it is validated: no job row points here, so a file left
+    by an API that died mid-submission is swept by its age (jobs/domain/recovery.py)."""
+    return f"staging/{job_id}.parquet"
 
 
 def results_name(job_id: str) -> str:
@@ -69,6 +76,20 @@ class BlobStore:
                     raise UploadTooLarge(max_bytes)
                 sink.write(chunk)
         return written
+
+    def rename(self, source: str, target: str) -> None:
+        """Rename `source` to `target` (one filesystem: atomic)."""
+        final = self.path(target)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.path(source), final)
+
+    def stale(self, folder: str, older_than_s: float) -> list[str]:
+        """Names of the files in `folder` last changed more than `older_than_s` seconds ago."""
+        root = self.path(folder)
+        if not root.is_dir():
+            return []
+        cutoff = time.time() - older_than_s
+        return [f"{folder}/{entry.name}" for entry in root.iterdir() if entry.is_file() and entry.stat().st_mtime < cutoff]
 
     def copy_in(self, name: str, source_path: Path) -> None:
         with self.atomic_path(name) as temp:

@@ -4,14 +4,14 @@ racing for the same transition (say, two workers finishing the last shards) see 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import Job, JobEvent, ResultRow, Shard, as_utc, utcnow
+from storage.models import Job, JobEvent, OpenAIBatch, ResultRow, Shard, as_utc, utcnow
 from storage.result_store import finish_reason_counts
 from storage.shard_store import unfinished_shards
 from storage.status import (
@@ -54,6 +54,66 @@ def create_job(
     return job
 
 
+def create_queued_job(
+    session: Session,
+    *,
+    job_id: str,
+    tenant: str,
+    model: str,
+    params: dict[str, Any],
+    metadata: dict[str, str],
+    input_name: str,
+    created_at: datetime,
+    num_rows: int,
+    shards: list[list[int]],
+    also: Callable[[Session], None] | None = None,
+) -> None:
+    """A validated job, its shards and its events (validating at `created_at`, then queued now) in one
+    transaction: all of them are stored, or (on any failure) none. `also` adds rows made with the job
+    (an OpenAI batch's row) to the same transaction, without committing it."""
+    try:
+        _add_job(
+            session,
+            Job(
+                id=job_id,
+                tenant=tenant,
+                status=JobStatus.QUEUED,
+                model=model,
+                params=params,
+                job_metadata=metadata,
+                input_name=input_name,
+                created_at=created_at,
+                num_rows=num_rows,
+                num_shards=len(shards),
+            ),
+        )
+        _add_shards(session, job_id, shards)
+        _add_events(session, job_id, [(JobStatus.VALIDATING, created_at), (JobStatus.QUEUED, utcnow())])
+        if also is not None:
+            also(session)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def _add_job(session: Session, job: Job) -> None:
+    session.add(job)
+    session.flush()  # the job row first: shards and events refer to it
+
+
+def _add_shards(session: Session, job_id: str, shards: list[list[int]]) -> None:
+    session.add_all(
+        Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
+    )
+    session.flush()
+
+
+def _add_events(session: Session, job_id: str, entered: list[tuple[JobStatus, datetime]]) -> None:
+    session.add_all(JobEvent(job_id=job_id, status=status, at=at) for status, at in entered)
+    session.flush()
+
+
 def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[int]]) -> bool:
     """Record the shards and move validating -> queued in one transaction."""
     session.add_all(
@@ -74,7 +134,8 @@ def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[in
 
 
 def delete_job(session: Session, job_id: str) -> None:
-    for table in (ResultRow, Shard, JobEvent):
+    """The job's rows: its results, shards, events, the job, and the OpenAI batch made with it."""
+    for table in (ResultRow, Shard, JobEvent, OpenAIBatch):
         session.execute(delete(table).where(table.job_id == job_id))
     session.execute(delete(Job).where(Job.id == job_id))
     session.commit()

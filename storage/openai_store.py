@@ -89,7 +89,9 @@ def add_batch(
     expires_at: datetime,
     line_errors: list[dict[str, Any]],
     errors: list[dict[str, Any]] | None,
+    commit: bool = True,
 ) -> OpenAIBatch:
+    """The batch row; with `commit` false it joins the caller's transaction (its job's: both or neither)."""
     row = OpenAIBatch(
         id=batch_id,
         tenant=tenant,
@@ -104,7 +106,10 @@ def add_batch(
         errors=errors,
     )
     session.add(row)
-    session.commit()
+    if commit:
+        session.commit()
+    else:
+        session.flush()
     return row
 
 

@@ -3,7 +3,6 @@ and sees only the jobs of the key's tenant."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -12,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
@@ -21,9 +20,10 @@ from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.formparsers import MultiPartException, MultiPartParser
 
 from jobs.api.auth import Service, Tenant
+from jobs.api.edge import BodyTimeout, InternalErrors, check_query_text, parse_json_input
+from jobs.api.multipart import FormSpec, file_part, form_dependency
 from jobs.api.openai_batch import openai_batch_router
 from jobs.api.prometheus import install_metrics
 from jobs.api.report import job_report_html
@@ -31,6 +31,7 @@ from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
 from jobs.domain.grammar_check import GrammarChecker
+from jobs.domain.json_limits import JsonLimits
 from jobs.domain.recovery import start_recovery
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
@@ -43,8 +44,6 @@ PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
 # What storage.job_store.new_job_id makes: anything else names no job (and may not even be storable in
 # Postgres, e.g. a NUL), so the API answers it without a query.
 JOB_ID_PATTERN = re.compile(r"job_[0-9a-f]{32}")
-FORM_PARTS = ("file", "params")
-MAX_PARAMS_BYTES = 1024 * 1024
 MAX_VALIDATION_MESSAGE_CHARS = 300
 
 
@@ -60,7 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         grammar = GrammarChecker() if settings.grammar_check else None
         app.state.service = JobService(
             settings, make_session_factory(engine), BlobStore(settings.resolved_data_dir), dispatcher,
-            grammar_refusal=grammar.refusal if grammar else None,
+            grammar=grammar,
         )  # fmt: skip
         recovery = None
         if dispatcher is not None:
@@ -81,12 +80,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Batch LLM inference jobs: upload a Parquet file, get a Parquet file back.",
         lifespan=lifespan,
+        # The text rule (text_rule.py) for every query parameter of every route, before any route runs.
+        dependencies=[Depends(check_query_text)],
     )
     _add_error_handlers(app)
     _add_routes(app, settings)
     app.include_router(openai_batch_router())
     install_metrics(app)
     app.add_middleware(UploadLimit, max_upload_bytes=settings.max_upload_bytes)
+    # Outermost: a body that stops arriving is answered 408 whatever reads it.
+    app.add_middleware(BodyTimeout, idle_seconds=settings.body_idle_timeout_seconds)
+    app.add_middleware(InternalErrors)  # outermost of ours: whatever fails inside is a JSON 500
     return app
 
 
@@ -149,75 +153,8 @@ def _job_id(job_id: Annotated[str, PathParam(description="a job id, job_ followe
 JobId = Annotated[str, Depends(_job_id)]
 
 
-class _CheckedMultiPartParser(MultiPartParser):
-    """Starlette's parser, which also notes whether the closing boundary came: without it the last
-    part is silently dropped (python-multipart does not check), so the body must be refused."""
-
-    ended = False
-
-    def on_end(self) -> None:
-        self.ended = True
-
-
-async def _job_upload(request: Request) -> AsyncIterator[tuple[UploadFile, str | None]]:
-    """The submit body: multipart/form-data with one `file` part and at most one `params` field.
-    Parsed here rather than by FastAPI's File()/Form(), which take the last of repeated parts and
-    accept a body cut short before its closing boundary."""
-    content_type = request.headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):
-        async for _chunk in request.stream():  # read the body so the connection stays usable
-            pass
-        raise InputError(
-            "send the job as multipart/form-data: a `file` part (the Parquet file) and an optional "
-            "`params` field",
-            status_code=415 if content_type else 422,
-            field="file",
-        )
-    parser = _CheckedMultiPartParser(
-        request.headers,
-        request.stream(),
-        max_files=len(FORM_PARTS) + 1,
-        max_fields=len(FORM_PARTS) + 1,
-        max_part_size=MAX_PARAMS_BYTES,
-    )
-    try:
-        form = await parser.parse()
-    except MultiPartException as exc:
-        raise InputError(f"malformed multipart body: {exc.message}", status_code=400) from exc
-    try:
-        if not parser.ended:
-            for spooled in getattr(parser, "_files_to_close_on_error", []):
-                spooled.close()
-            raise InputError(
-                "the multipart body ends without its closing boundary: it is incomplete", status_code=400
-            )
-        file, params = _form_parts(form)
-        yield file, params
-    finally:
-        await form.close()
-
-
-def _form_parts(form: FormData) -> tuple[UploadFile, str | None]:
-    for name in dict.fromkeys(form.keys()):
-        if name not in FORM_PARTS:
-            raise InputError(
-                f"unknown part {clip_repr(name)}; the body takes `file` and `params`", field=clip(name)
-            )
-        count = len(form.getlist(name))
-        if count > 1:
-            raise InputError(f"the body has {count} `{name}` parts; send one", field=name)
-    file = form.get("file")
-    if file is None:
-        raise InputError("the `file` part is missing: send the Parquet file as `file`", field="file")
-    if isinstance(file, str):
-        raise InputError("`file` must be a file part (with a filename), not a plain form field", field="file")
-    params = form.get("params")
-    if params is not None and not isinstance(params, str):
-        raise InputError("`params` must be a plain form field holding JSON, not a file", field="params")
-    return file, params
-
-
-Upload = Annotated[tuple[UploadFile, str | None], Depends(_job_upload)]
+JOB_FORM = FormSpec(files=("file",), fields=("params",), required=("file",), what="the job")
+JobForm = Annotated[FormData, Depends(form_dependency(JOB_FORM))]
 SUBMIT_BODY = {
     "requestBody": {
         "required": True,
@@ -241,15 +178,12 @@ SUBMIT_BODY = {
 }
 
 
-def _parse_params(raw: str | None) -> JobParams:
+def _parse_params(raw: str | None, limits: JsonLimits) -> JobParams:
     if raw is None:
         return JobParams()
     if not raw.strip():
         raise InputError("params is empty: send a JSON object (or leave the part out)", field="params")
-    try:
-        payload = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"params is not valid JSON: {exc}", field="params") from exc
+    payload = parse_json_input(raw, "params", limits)
     if not isinstance(payload, dict):
         raise InputError("params must be a JSON object", field="params")
     return job_params(payload)
@@ -284,14 +218,14 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         )
 
     @app.post("/v1/jobs", status_code=201, response_model=JobObject, tags=["jobs"], openapi_extra=SUBMIT_BODY)
-    def submit_job(request: Request, tenant: Tenant, service: Service, upload: Upload) -> JobObject:
-        file, params = upload
+    def submit_job(request: Request, tenant: Tenant, service: Service, form: JobForm) -> JobObject:
+        file, params = file_part(form, "file"), form.get("params")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_upload_bytes + 1024 * 1024:
             raise InputError(
                 f"upload is larger than the limit of {settings.max_upload_mb} MB", status_code=413
             )
-        return service.submit(tenant, file.file, _parse_params(params))
+        return service.submit(tenant, file.file, _parse_params(params, settings.json_limits))
 
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(

@@ -8,13 +8,18 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 
 from jobs.api.auth import Tenant
-from jobs.domain.errors import InputError, NotFound, clip_repr
+from jobs.api.edge import parse_json_input
+from jobs.api.multipart import FormSpec, file_part, form_dependency
+from jobs.domain.errors import InputError, NotFound, clip, clip_repr
+from jobs.domain.json_limits import JsonLimits
 from jobs.domain.openai_service import BatchService
 
 # What storage.openai_store makes; anything else names nothing, answered before any query.
@@ -30,6 +35,59 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+
+
+FILE_FORM = FormSpec(files=("file",), fields=("purpose",), required=("file", "purpose"), what="the file")
+FileForm = Annotated[FormData, Depends(form_dependency(FILE_FORM))]
+FILE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "the batch input, JSONL"},
+                        "purpose": {"type": "string", "description": "batch"},
+                    },
+                }
+            }
+        },
+    }
+}
+BATCH_BODY = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": CreateBatch.model_json_schema()}}}
+}
+
+
+async def _create_batch_body(request: Request, limits: JsonLimits) -> CreateBatch:
+    """The body of POST /v1/batches: JSON (Content-Type application/json), bounded like every JSON the
+    API parses (duplicate keys refused), then the strict model. Each refusal says what is wrong."""
+    content_type = request.headers.get("content-type", "")
+    raw = await request.body()
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InputError(
+            "send the batch as a JSON object with Content-Type: application/json"
+            + (f" (got {clip_repr(content_type, 60)})" if content_type else " (the request has no Content-Type)"),
+            status_code=415,
+            field="body",
+        )
+    if not raw.strip():
+        raise InputError("the body is empty: send a JSON object with input_file_id, endpoint and "
+                         "completion_window", field="body")  # fmt: skip
+    payload = parse_json_input(raw, "the body", limits)
+    if not isinstance(payload, dict):
+        raise InputError("the body must be a JSON object", field="body")
+    try:
+        return CreateBatch.model_validate(payload)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(clip(part, 64) for part in error['loc']) or 'body'}: {clip(error['msg'], 200)}"
+            for error in exc.errors()[:5]
+        )
+        first = exc.errors()[0]["loc"] if exc.errors() else ()
+        raise InputError(f"invalid batch: {problems}", field=str(first[0]) if first else "body") from exc
 
 
 def _batches(request: Request) -> BatchService:
@@ -65,14 +123,10 @@ def _cursor(after: str | None, pattern: re.Pattern[str]) -> str | None:
 def openai_batch_router() -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["openai batch"])
 
-    @router.post("/files")
-    def create_file(
-        tenant: Tenant,
-        batches: Batches,
-        file: Annotated[UploadFile, File(description="the batch input, JSONL")],
-        purpose: Annotated[str, Form(description="batch")],
-    ) -> dict[str, Any]:
-        return batches.upload(tenant, file.file, file.filename, purpose)
+    @router.post("/files", openapi_extra=FILE_BODY)
+    def create_file(tenant: Tenant, batches: Batches, form: FileForm) -> dict[str, Any]:
+        file = file_part(form, "file")
+        return batches.upload(tenant, file.file, file.filename, str(form.get("purpose")))
 
     @router.get("/files")
     def list_files(
@@ -96,10 +150,12 @@ def openai_batch_router() -> APIRouter:
     def delete_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:
         return batches.delete_file(tenant, file_id)
 
-    @router.post("/batches")
-    def create_batch(tenant: Tenant, batches: Batches, body: CreateBatch) -> dict[str, Any]:
+    @router.post("/batches", openapi_extra=BATCH_BODY)
+    async def create_batch(request: Request, tenant: Tenant, batches: Batches) -> dict[str, Any]:
+        body = await _create_batch_body(request, batches.settings.json_limits)
         _file_id(body.input_file_id)
-        return batches.create(
+        return await run_in_threadpool(
+            batches.create,
             tenant,
             input_file_id=body.input_file_id,
             endpoint=body.endpoint,

@@ -174,6 +174,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from jobs.api.server import http_protocol
+
     settings = Settings()
     uvicorn.run(
         "jobs.api.app:create_app",
@@ -182,6 +184,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         port=args.port or settings.api_port,
         workers=args.workers,
         log_level="info",
+        http=http_protocol(),  # the protocol's own 400s in Freight's error shape (jobs/api/server.py)
     )
     return 0
 

@@ -3,7 +3,9 @@ task names, queue names (one per model) and the configuration both sides must ag
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import re
 from pathlib import PurePath
 from typing import Any
@@ -13,6 +15,26 @@ from jobs.domain.settings import Settings
 TASK_RUN_SHARD = "freight.run_shard"
 TASK_FINALIZE_JOB = "freight.finalize_job"
 _PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+# (task name, job id, shard index or None for finalize): one piece of work a message carries.
+WorkKey = tuple[str, str, int | None]
+
+
+def message_work(raw: bytes) -> WorkKey | None:
+    """The work a kombu Redis message stands for, or None if it is not one of ours."""
+    try:
+        payload = json.loads(raw)
+        if isinstance(payload, list):  # unacked entries are [message, exchange, routing_key]
+            payload = payload[0]
+        task = payload["headers"]["task"]
+        args = json.loads(base64.b64decode(payload["body"]))[0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if task == TASK_RUN_SHARD and len(args) == 2:
+        return task, str(args[0]), int(args[1])
+    if task == TASK_FINALIZE_JOB and len(args) == 1:
+        return task, str(args[0]), None
+    return None
 
 
 def queue_for_model(settings: Settings, model: str) -> str:
@@ -76,6 +98,20 @@ class CeleryDispatcher:
         with self.app.producer_or_acquire() as producer:
             for index in shard_indices:
                 self.app.send_task(TASK_RUN_SHARD, args=[job_id, index], queue=queue, producer=producer)
+
+    def withdraw(self, job_id: str, model: str) -> int:
+        """Take the job's shard messages that no worker has taken yet back out of the model's queue (a
+        submission that failed after some were sent leaves none behind). Returns how many were removed.
+        A message a worker already took finds no shard and ends (claim_shard: MISSING)."""
+        queue = queue_for_model(self.settings, model)
+        removed = 0
+        with self.app.connection_for_write() as connection:
+            client = connection.default_channel.client  # kombu's Redis transport: one list per queue
+            for raw in client.lrange(queue, 0, -1):
+                work = message_work(raw)
+                if work is not None and work[0] == TASK_RUN_SHARD and work[1] == job_id:
+                    removed += client.lrem(queue, 0, raw)
+        return removed
 
     def dispatch_finalize(self, job_id: str, model: str | None = None) -> None:
         """Send finalize_job to `model`'s queue, or without a model to the app's default queue."""

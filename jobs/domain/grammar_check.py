@@ -1,10 +1,17 @@
-"""Whether the grammar engine accepts a structured-output constraint, asked at submission.
+"""Whether the grammar engine accepts a structured-output constraint, asked at submission, within a budget.
 
 The domain and the API never import torch, and xgrammar imports it; so one long-lived child process per
 checker runs `python -m worker.engine.grammar_check` (the engine's own grammar construction) and answers
 over pipes. Started on the first constrained submission; answers are cached by constraint. Where the child
-cannot start (xgrammar missing) or does not answer in time, the check says nothing (`None`) and the worker
-still fails such a row alone, with the same reason.
+cannot start (xgrammar missing), the check says nothing (`None`) and the worker still fails such a row
+alone, with the same reason.
+
+Budget (docs/input-rules.md): one submission may spend `FREIGHT_GRAMMAR_BUDGET_SECONDS` on its checks, all
+of them together (`SubmissionGrammar`). A constraint whose compilation does not finish in what is left is
+refused (422, "over the time budget"), never waved through; the stuck child is killed and a fresh one
+started at once in the background, so the next submission does not wait for a whole start. Each distinct
+constraint is asked at most once per submission, and a schema's patterns are asked as the regexes they
+are, so a pattern is refused exactly when the same bare `regex` would be.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from jobs.domain.constraint_limits import schema_patterns
 from jobs.domain.structured_spec import StructuredSpec
 
 log = logging.getLogger(__name__)
@@ -30,77 +39,177 @@ GrammarRefusal = Callable[[StructuredSpec], str | None]  # the grammar engine's 
 
 
 class _NoAnswer(Exception):
-    """The child could not be asked (not started, died, too slow): the check says nothing."""
+    """The child could not be asked (not started, died): the check says nothing."""
+
+
+class OverBudget(Exception):
+    """The child did not answer within the time it was given."""
+
+
+def over_budget_message(spec: StructuredSpec, seconds: float) -> str:
+    return (
+        f"{spec.kind} could not be checked within the time budget ({seconds:g} s, "
+        "FREIGHT_GRAMMAR_BUDGET_SECONDS): the grammar engine takes too long to compile it; simplify it"
+    )
 
 
 class GrammarChecker:
-    """`refusal(spec)`: the grammar engine's reason for refusing `spec`, or None (accepted, or unknown)."""
+    """`refusal(spec)`: the grammar engine's reason for refusing `spec`, or None (accepted, or unknown).
+    `ask(spec, timeout)` is the same with a deadline: OverBudget when the engine takes longer."""
 
     def __init__(self, command: list[str] | None = None) -> None:
         self._command = command or [sys.executable, "-m", CHECK_MODULE]
         self._process: subprocess.Popen[str] | None = None
+        self._ready: threading.Event | None = None  # set once the child's ready line came (or it failed)
+        self._ready_ok = False
         self._unavailable = False  # the child could not start: stop trying
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], str | None] = OrderedDict()
 
     def refusal(self, spec: StructuredSpec) -> str | None:
+        try:
+            return self.ask(spec, ANSWER_TIMEOUT_S)
+        except OverBudget:
+            return over_budget_message(spec, ANSWER_TIMEOUT_S)
+
+    def ask(self, spec: StructuredSpec, timeout: float, *, cache_timeout: bool = True) -> str | None:
+        """The engine's refusal, None (accepted, or no child to ask), or OverBudget. An over-budget answer
+        given the full `timeout` is cached as a refusal (`cache_timeout`): the next ask is instant."""
         key = (spec.kind, json.dumps(spec.value))
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
             try:
-                answer = self._ask({"kind": spec.kind, "value": spec.value})
+                answer = self._ask({"kind": spec.kind, "value": spec.value}, timeout)
             except _NoAnswer:
                 return None
-            self._cache[key] = answer
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            except OverBudget:
+                if cache_timeout:
+                    self._remember(key, over_budget_message(spec, timeout))
+                raise
+            self._remember(key, answer)
             return answer
 
     def close(self) -> None:
         with self._lock:
             self._stop()
 
+    def _remember(self, key: tuple[str, str], answer: str | None) -> None:
+        self._cache[key] = answer
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+
     # -- the child process (called under the lock) ------------------------------------------------------
 
-    def _ask(self, request: dict) -> str | None:
+    def _ask(self, request: dict, timeout: float) -> str | None:
         process = self._started()
         try:
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
-            line = _read_line(process, ANSWER_TIMEOUT_S)
+            line = _read_line(process, timeout)
             return json.loads(line)["refusal"]
-        except (OSError, ValueError, KeyError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            log.warning("grammar check over its budget of %.1f s; restarting its process", timeout)
+            self._stop()
+            self._spawn()  # in the background: the next check finds it (nearly) ready
+            raise OverBudget from exc
+        except (OSError, ValueError, KeyError) as exc:
             log.warning("grammar check failed (%s); restarting its process on the next check", exc)
             self._stop()
             raise _NoAnswer from exc
 
     def _started(self) -> subprocess.Popen[str]:
-        if self._process is not None and self._process.poll() is None:
-            return self._process
-        if self._unavailable:
+        if self._process is None or self._process.poll() is not None:
+            if self._unavailable:
+                raise _NoAnswer
+            self._stop()
+            self._spawn()
+        assert self._ready is not None and self._process is not None
+        # Waiting for a start is not counted in a submission's budget: it is the same for every constraint.
+        if not self._ready.wait(START_TIMEOUT_S) or not self._ready_ok:
+            log.warning("the grammar check cannot run: constraints are checked by the workers only")
+            self._stop()
+            self._unavailable = True
             raise _NoAnswer
+        return self._process
+
+    def _spawn(self) -> None:
+        """Start a child and, on a thread, wait for its ready line; returns at once."""
+        ready = threading.Event()
+        self._ready, self._ready_ok = ready, False
         try:
-            self._process = subprocess.Popen(
+            process = subprocess.Popen(
                 self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 text=True, bufsize=1,
             )  # fmt: skip
-            ready = json.loads(_read_line(self._process, START_TIMEOUT_S))
-            if not ready.get("ready"):
-                raise ValueError(f"unexpected first line {ready!r}")
-        except (OSError, ValueError, TimeoutError) as exc:
-            log.warning("the grammar check cannot run (%s): constraints are checked by the workers only", exc)
-            self._stop()
-            self._unavailable = True
-            raise _NoAnswer from exc
-        return self._process
+        except OSError as exc:
+            log.warning("the grammar check cannot start (%s)", exc)
+            ready.set()
+            return
+        self._process = process
+
+        def wait_ready() -> None:
+            try:
+                line = process.stdout.readline()
+                ok = bool(line) and bool(json.loads(line).get("ready"))
+            except (OSError, ValueError, AttributeError):
+                ok = False
+            if self._ready is ready:
+                self._ready_ok = ok
+            ready.set()
+
+        threading.Thread(target=wait_ready, daemon=True, name="grammar-check-start").start()
 
     def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
             self._process.wait()
             self._process = None
+
+
+class SubmissionGrammar:
+    """The grammar check of one submission: a `GrammarRefusal` that spends at most `budget_s` seconds in
+    all, asks each distinct constraint once, and asks a schema's patterns as regexes. Without a checker
+    (FREIGHT_GRAMMAR_CHECK=0) it says nothing, as the checker does when its child cannot run."""
+
+    def __init__(self, checker: GrammarChecker | None, budget_s: float) -> None:
+        self.checker = checker
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s
+        self.asked: dict[tuple[str, str], str | None] = {}
+        self.compiled = 0  # constraints sent to the checker (tests count them)
+
+    def __call__(self, spec: StructuredSpec) -> str | None:
+        if self.checker is None:
+            return None
+        if spec.kind == "json_schema" and isinstance(spec.value, str):
+            try:
+                schema = json.loads(spec.value)  # checked and bounded already (structured_spec.schema_text)
+            except ValueError:
+                schema = None
+            for pattern in schema_patterns(schema):
+                refused = self._once(StructuredSpec(kind="regex", value=pattern))
+                if refused is not None:
+                    return f"json_schema pattern {pattern[:60]!r}: {refused}"
+        return self._once(spec)
+
+    def _once(self, spec: StructuredSpec) -> str | None:
+        key = (spec.kind, json.dumps(spec.value))
+        if key not in self.asked:
+            self.asked[key] = self._ask(spec)
+        return self.asked[key]
+
+    def _ask(self, spec: StructuredSpec) -> str | None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return over_budget_message(spec, self.budget_s)
+        self.compiled += 1
+        try:
+            # Only an answer given the whole budget is remembered beyond this submission.
+            return self.checker.ask(spec, left, cache_timeout=left >= self.budget_s * 0.99)
+        except OverBudget:
+            return over_budget_message(spec, self.budget_s)
 
 
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
@@ -110,7 +219,7 @@ def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     reader.start()
     reader.join(timeout)
     if reader.is_alive() or not lines:
-        raise TimeoutError(f"no answer from the grammar check within {timeout:.0f} s")
+        raise TimeoutError(f"no answer from the grammar check within {timeout:.1f} s")
     if not lines[0]:
         raise OSError(f"the grammar check process exited (code {process.poll()})")
     return lines[0]

@@ -22,8 +22,10 @@ import pyarrow.parquet as pq
 
 from jobs.domain.errors import InputError, clip, clip_repr
 from jobs.domain.grammar_check import GrammarRefusal
+from jobs.domain.json_limits import JsonLimits, JsonRefused, parse_json
 from jobs.domain.schemas import JobParams, job_params
 from jobs.domain.structured_spec import STRUCTURED_COLUMNS, StructuredSpec, as_columns, from_response_format
+from jobs.domain.text_rule import repaired
 from jobs.domain.validation import MAX_CUSTOM_ID_CHARS
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -49,6 +51,8 @@ NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
 CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "response_format", *SAMPLING_FIELDS}
 COMPLETIONS_FIELDS = {"model", "prompt", "echo", *SAMPLING_FIELDS}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+DEFAULT_LINE_LIMITS = JsonLimits()  # the service passes its settings' json_limits
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -147,11 +151,13 @@ def parse_batch_file(
     endpoint: str,
     check: Callable[[JobParams], object] | None = None,
     grammar_refusal: GrammarRefusal | None = None,
+    limits: JsonLimits = DEFAULT_LINE_LIMITS,
 ) -> ParsedBatch:
     """Every line of `data` either as a request or as a LineError. `check` runs the service's checks
     of a line's parameters (known model, max_tokens within the context) and raises InputError;
-    `grammar_refusal` asks the grammar engine about a line's response_format (grammar_check.py).
-    File-level problems (nothing to read, too many lines) raise InputError."""
+    `grammar_refusal` asks the grammar engine about a line's response_format (grammar_check.py);
+    `limits` bound the parsing of each line (json_limits.py). File-level problems (nothing to read, too
+    many lines) raise InputError."""
     if endpoint not in ENDPOINTS:
         raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
     parsed = ParsedBatch(endpoint=endpoint, lines=0)
@@ -161,7 +167,7 @@ def parse_batch_file(
         if parsed.lines > MAX_LINES:
             raise InputError(f"the file has more than {MAX_LINES} requests", field="input_file_id")
         try:
-            request = _parse_line(number, raw, endpoint, check)
+            request = _parse_line(number, raw, endpoint, check, limits)
             if request.structured is not None and grammar_refusal is not None:
                 refused = grammar_refusal(request.structured)
                 if refused is not None:
@@ -211,14 +217,15 @@ def _fail(
 
 
 def _parse_line(
-    number: int, raw: bytes, endpoint: str, check: Callable[[JobParams], object] | None
+    number: int, raw: bytes, endpoint: str, check: Callable[[JobParams], object] | None, limits: JsonLimits
 ) -> BatchRequest:
     try:
-        line = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        _fail(number, None, "is not UTF-8 text", code="invalid_json")
-    except json.JSONDecodeError as exc:
-        _fail(number, None, f"is not valid JSON ({exc.msg} at column {exc.colno})", code="invalid_json")
+        # Bounded, and every string valid Unicode (text_rule.py); NUL may stay in prompt text, and the
+        # fields that are stored (custom_id, model, stop) are checked for it where they are read.
+        line = parse_json(raw, "the line", limits, allow_nul=True)
+    except JsonRefused as exc:
+        code = "invalid_json" if exc.limit in ("json", "text") else "json_limit"
+        _fail(number, None, exc.message.removeprefix("the line: ").removeprefix("the line "), code=code)
     if not isinstance(line, dict):
         _fail(number, None, "must be a JSON object", code="invalid_json")
     custom_id = line.get("custom_id")
@@ -481,4 +488,5 @@ def _request_id(batch_id: str, key: int | str) -> str:
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n" for line in lines)
+    # repaired: a stored value that breaks the text rule is written with U+FFFD, never a failed file
+    return b"".join(json.dumps(repaired(line), ensure_ascii=False).encode("utf-8") + b"\n" for line in lines)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -45,6 +45,7 @@ from jobs.domain.openai_batch import (
 )
 from jobs.domain.schemas import job_params
 from jobs.domain.service import JobService
+from jobs.domain.text_rule import repaired, text_problem
 from storage import job_store, openai_store
 from storage.blobs import UploadTooLarge
 from storage.models import Job, OpenAIBatch, OpenAIFile, as_utc, utcnow
@@ -55,6 +56,9 @@ OUTPUT_PURPOSE = "batch_output"
 MAX_FILENAME_CHARS = 1024
 RESULT_BATCH_ROWS = 4096
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
+Errors = list[dict[str, Any]] | None  # why a batch failed (its `errors`), None for a batch with a job
+# Adds the batch row (job id, refused lines, errors) to the session's transaction, not committing it.
+StoreBatch = Callable[[Session, str | None, list[LineError], Errors], None]
 
 
 def _ts(moment: datetime | None) -> int | None:
@@ -67,7 +71,7 @@ def file_object(row: OpenAIFile) -> dict[str, Any]:
         "object": "file",
         "bytes": row.bytes,
         "created_at": _ts(row.created_at),
-        "filename": row.filename,
+        "filename": repaired(row.filename),
         "purpose": row.purpose,
         "status": "processed",
         "status_details": None,
@@ -105,9 +109,12 @@ class BatchService:
                 field="purpose",
             )
         filename = filename or "upload.jsonl"
-        if len(filename) > MAX_FILENAME_CHARS or "\x00" in filename:
+        problem = text_problem(filename)  # the text rule: the name is stored
+        if len(filename) > MAX_FILENAME_CHARS or problem is not None:
             raise InputError(
-                f"the filename must have at most {MAX_FILENAME_CHARS} characters and no NUL", field="file"
+                f"the filename must have at most {MAX_FILENAME_CHARS} characters of valid text and no NUL"
+                + (f"; it {problem}" if problem else ""),
+                field="file",
             )
         file_id = openai_store.new_file_id()
         name = openai_store.file_blob_name(file_id)
@@ -190,11 +197,12 @@ class BatchService:
                 )
             data = self.blobs.path(source.blob_name).read_bytes()
         created_at = utcnow()
-        job_id, line_errors, errors = self._submit(tenant, data, endpoint)
-        with self.sessions() as session:
-            row = openai_store.add_batch(
+        batch_id = openai_store.new_batch_id()
+
+        def store(session: Session, job_id: str | None, line_errors: list[LineError], errors: Errors) -> None:
+            openai_store.add_batch(
                 session,
-                batch_id=openai_store.new_batch_id(),
+                batch_id=batch_id,
                 tenant=tenant,
                 job_id=job_id,
                 endpoint=endpoint,
@@ -205,42 +213,49 @@ class BatchService:
                 expires_at=created_at + timedelta(seconds=COMPLETION_WINDOWS[completion_window]),
                 line_errors=[error.as_dict() for error in line_errors],
                 errors=errors,
+                commit=False,
             )
-            return self._view(session, tenant, row)
+
+        failed = self._submit(tenant, data, endpoint, store)
+        if failed is not None:  # no job: the failed batch's row alone
+            with self.sessions() as session:
+                store(session, None, *failed)
+                session.commit()
+        return self.get(tenant, batch_id)
 
     def _submit(
-        self, tenant: str, data: bytes, endpoint: str
-    ) -> tuple[str | None, list[LineError], list[dict[str, Any]] | None]:
-        """(job id, refused lines, errors of a failed batch): the good lines become one job."""
+        self, tenant: str, data: bytes, endpoint: str, store: StoreBatch
+    ) -> tuple[list[LineError], Errors] | None:
+        """Make the good lines one job, stored with its batch row (`store`) in one transaction: None.
+        When no job is made: (refused lines, errors of the failed batch), nothing stored."""
+        grammar = self.jobs.grammar_session()  # one budget for the lines and the rows they become
         try:
             parsed: ParsedBatch = parse_batch_file(
-                data, endpoint, self.jobs.resolver(), self.jobs.grammar_refusal
+                data, endpoint, self.jobs.resolver(), grammar, self.settings.json_limits
             )
         except InputError as exc:
-            return (
-                None,
-                [],
-                [{"code": "invalid_file", "message": exc.message, "param": exc.field, "line": None}],
-            )
+            return [], [{"code": "invalid_file", "message": exc.message, "param": exc.field, "line": None}]
         if not parsed.requests:
             named = [
                 {"code": error.code, "message": error.message, "param": error.param, "line": error.line}
                 for error in parsed.errors[:MAX_NAMED_LINE_ERRORS]
             ]
-            return None, parsed.errors, named
+            return parsed.errors, named
         # chat outputs are bounded by the context alone: this model's (the registry's, or the default)
         params = parsed.job_params(chat_max_tokens=self.jobs.served(parsed.model).context_len - 1)
         try:
-            job = self.jobs.submit(tenant, io.BytesIO(parsed.to_parquet()), params)
+            self.jobs.submit(
+                tenant,
+                io.BytesIO(parsed.to_parquet()),
+                params,
+                grammar,
+                with_job=lambda session, job_id: store(session, job_id, parsed.errors, None),
+            )
         except InputError as exc:
             row = exc.row
             line = parsed.requests[row].line if row is not None and 0 <= row < len(parsed.requests) else None
-            return (
-                None,
-                parsed.errors,
-                [{"code": "invalid_file", "message": exc.message, "param": None, "line": line}],
-            )
-        return job.id, parsed.errors, None
+            return parsed.errors, [{"code": "invalid_file", "message": exc.message, "param": None, "line": line}]
+        return None
 
     def _batch(self, session: Session, tenant: str, batch_id: str) -> OpenAIBatch:
         row = openai_store.get_batch(session, batch_id, tenant)
@@ -325,8 +340,9 @@ class BatchService:
             "cancelled_at": _ts(finished) if status == "cancelled" else None,
             "request_counts": counts,
             "usage": usage,
-            "metadata": row.batch_metadata,
-            "errors": {"object": "list", "data": row.errors} if row.errors else None,
+            # Stored values are rendered whatever they hold (text_rule.repaired): a read never fails on them.
+            "metadata": repaired(row.batch_metadata),
+            "errors": {"object": "list", "data": repaired(row.errors)} if row.errors else None,
         }
 
     def _expire_if_due(self, session: Session, row: OpenAIBatch, job_status: str) -> None:

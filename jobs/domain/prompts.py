@@ -78,6 +78,10 @@ def template_fields(template: str) -> list[str]:
 
 
 def is_string_type(arrow_type: pa.DataType) -> bool:
+    """A string column, plain or dictionary-encoded (an ordinary way pyarrow and Spark write strings:
+    its values read as strings)."""
+    if pa.types.is_dictionary(arrow_type):
+        return is_string_type(arrow_type.value_type)
     return (
         pa.types.is_string(arrow_type)
         or pa.types.is_large_string(arrow_type)

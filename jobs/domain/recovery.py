@@ -5,12 +5,11 @@ an active job, and that has no message in its model's queue nor among the broker
 messages on two sweeps in a row, gets its task sent again; likewise a job stuck in `finalizing`.
 A duplicate message is harmless: the shard's lease and its stored rows make a second run a no-op.
 Only jobs whose input file is in this API's data folder are swept (a deployment's own jobs).
-Jobs stuck in `validating` (an API that died mid-upload) are deleted with their files."""
+Jobs stuck in `validating` (an API that died mid-upload) are deleted with their files, and so are
+staged uploads (storage/blobs.py staging_name) older than an hour."""
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -19,7 +18,14 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.domain.broker import TASK_FINALIZE_JOB, TASK_RUN_SHARD, CeleryDispatcher, queue_for_model
+from jobs.domain.broker import (
+    TASK_FINALIZE_JOB,
+    TASK_RUN_SHARD,
+    CeleryDispatcher,
+    WorkKey,
+    message_work,
+    queue_for_model,
+)
 from jobs.domain.openai_service import expire_if_due
 from jobs.domain.settings import Settings
 from storage import job_store, openai_store
@@ -31,9 +37,7 @@ from storage.status import JobStatus
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
 ABANDONED_VALIDATION = timedelta(hours=1)
-
-# (task name, job id, shard index or None for finalize): one piece of work a message carries.
-WorkKey = tuple[str, str, int | None]
+__all__ = ["Recovery", "SweepReport", "WorkKey", "message_work", "start_recovery"]
 
 
 @dataclass
@@ -42,23 +46,6 @@ class SweepReport:
     finalize_resent: list[str] = field(default_factory=list)
     abandoned_deleted: list[str] = field(default_factory=list)
     batches_expired: list[str] = field(default_factory=list)  # OpenAI batches past their window
-
-
-def message_work(raw: bytes) -> WorkKey | None:
-    """The work a kombu Redis message stands for, or None if it is not one of ours."""
-    try:
-        payload = json.loads(raw)
-        if isinstance(payload, list):  # unacked entries are [message, exchange, routing_key]
-            payload = payload[0]
-        task = payload["headers"]["task"]
-        args = json.loads(base64.b64decode(payload["body"]))[0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-    if task == TASK_RUN_SHARD and len(args) == 2:
-        return task, str(args[0]), int(args[1])
-    if task == TASK_FINALIZE_JOB and len(args) == 1:
-        return task, str(args[0]), None
-    return None
 
 
 class Recovery:
@@ -98,6 +85,9 @@ class Recovery:
                 job_store.delete_job(session, job_id)
                 self.blobs.delete_job(job_id)
                 report.abandoned_deleted.append(job_id)
+            # An upload staged by an API that died while validating it: no row points to it.
+            for name in self.blobs.stale("staging", ABANDONED_VALIDATION.total_seconds()):
+                self.blobs.delete(name)
             report.batches_expired = self._expire_batches(session, now)
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):

@@ -12,6 +12,7 @@ from jobs.domain import structured_spec
 from jobs.domain.errors import InputError, clip
 from jobs.domain.structured_spec import StructuredSpec
 from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
+from jobs.domain.text_rule import tree_problem
 from storage.status import JobStatus
 
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
@@ -21,6 +22,7 @@ MAX_STOP_CHARS = 256
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+MAX_SEED = 2**63 - 1  # the engine's seeds are int64
 
 
 class JobParams(BaseModel):
@@ -36,7 +38,7 @@ class JobParams(BaseModel):
     temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy; at most 2")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="stop string")
     truncate: bool = Field(
         False,
@@ -125,15 +127,16 @@ class JobParams(BaseModel):
                 raise ValueError(f"metadata keys must have 1 to {MAX_METADATA_KEY_CHARS} characters")
             if len(text) > MAX_METADATA_VALUE_CHARS:
                 raise ValueError(f"metadata[{key!r}] is longer than {MAX_METADATA_VALUE_CHARS} characters")
-            if "\x00" in key or "\x00" in text:
-                raise ValueError(f"metadata[{key!r}] contains a NUL character, which cannot be stored")
         return value
 
 
 def job_params(payload: Mapping[str, Any]) -> JobParams:
     """`payload` (the `params` JSON object, or the CLI's flags) as JobParams, or an InputError (field
     `params`) whose message names each field at fault: the one check behind the API, the CLI and the
-    embedded runner."""
+    embedded runner. Every string in it follows the text rule (text_rule.py): params are stored."""
+    problem = tree_problem(dict(payload), "")
+    if problem is not None:
+        raise InputError(f"invalid params: {problem}", field="params")
     try:
         return JobParams.model_validate(dict(payload))
     except ValidationError as exc:

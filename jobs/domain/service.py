@@ -12,7 +12,7 @@ from typing import BinaryIO, Protocol
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.domain.errors import Conflict, InputError, NotFound
-from jobs.domain.grammar_check import GrammarRefusal
+from jobs.domain.grammar_check import GrammarChecker, GrammarRefusal, SubmissionGrammar
 from jobs.domain.metrics import compute_metrics
 from jobs.domain.results import write_partial_results
 from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
@@ -20,10 +20,11 @@ from jobs.domain.served_models import ServedModel, served_model
 from jobs.domain.settings import Settings
 from jobs.domain.sharding import cut_shards
 from jobs.domain.summarize import check_summarize_file, task_fields
+from jobs.domain.text_rule import repaired
 from jobs.domain.validation import validate_parquet
 from storage import job_store, model_store
-from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name
-from storage.models import Job
+from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name, staging_name
+from storage.models import Job, utcnow
 from storage.shard_store import shard_indices
 from storage.status import FINAL_JOB_STATUSES, JobStatus
 
@@ -33,6 +34,8 @@ LOCAL_TENANT = "local"  # the one tenant of the embedded database (`freight run`
 
 class Dispatcher(Protocol):
     def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None: ...
+
+    def withdraw(self, job_id: str, model: str) -> int: ...
 
 
 class BrokerUnavailable(Exception):
@@ -48,14 +51,18 @@ class JobService:
         dispatcher: Dispatcher | None,
         *,
         allow_any_model: bool = False,  # the embedded runner loads whatever the user names
-        grammar_refusal: GrammarRefusal | None = None,  # asks the grammar engine at submission
+        grammar: GrammarChecker | None = None,  # asks the grammar engine at submission
     ) -> None:
         self.settings = settings
         self.sessions = session_factory
         self.blobs = blobs
         self.dispatcher = dispatcher
         self.allow_any_model = allow_any_model
-        self.grammar_refusal = grammar_refusal
+        self.grammar = grammar
+
+    def grammar_session(self) -> SubmissionGrammar:
+        """The grammar check of one submission: one time budget, each constraint asked once."""
+        return SubmissionGrammar(self.grammar, self.settings.grammar_budget_seconds)
 
     def model_of(self, params: JobParams) -> str:
         return params.model or self.settings.default_model
@@ -69,15 +76,15 @@ class JobService:
         return served_model(model, record, self.settings.max_model_len)
 
     def resolve(self, params: JobParams) -> ResolvedParams:
-        return self._resolve(params, self.served)[0]
+        return self._resolve(params, self.served, self.grammar_session())[0]
 
-    def resolver(self) -> Callable[[JobParams], ResolvedParams]:
+    def resolver(self, grammar: GrammarRefusal | None = None) -> Callable[[JobParams], ResolvedParams]:
         """`resolve` reading each model's registry row once: a batch file checks every line."""
         served = cache(self.served)
-        return lambda params: self._resolve(params, served)[0]
+        return lambda params: self._resolve(params, served, grammar)[0]
 
     def _resolve(
-        self, params: JobParams, served_of: Callable[[str], ServedModel]
+        self, params: JobParams, served_of: Callable[[str], ServedModel], grammar: GrammarRefusal | None
     ) -> tuple[ResolvedParams, ServedModel]:
         settings = self.settings
         model = self.model_of(params)
@@ -113,61 +120,98 @@ class JobService:
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
             structured=params.structured(),
         )
-        if resolved.structured is not None and self.grammar_refusal is not None:
-            refused = self.grammar_refusal(resolved.structured)
+        if resolved.structured is not None and grammar is not None:
+            refused = grammar(resolved.structured)
             if refused is not None:
                 raise InputError(refused, field=resolved.structured.kind)
         return resolved.model_copy(update=by_task), served
 
-    def submit(self, tenant: str, upload: BinaryIO, params: JobParams) -> JobObject:
-        resolved, served = self._resolve(params, self.served)
+    def submit(
+        self,
+        tenant: str,
+        upload: BinaryIO,
+        params: JobParams,
+        grammar: SubmissionGrammar | None = None,
+        *,
+        with_job: Callable[[Session, str], None] | None = None,
+    ) -> JobObject:
+        """Validate everything, then store the job in one step that completes or leaves nothing.
+
+        The upload waits under a staging name (no row points to it) while it is validated. Then the file
+        moves to its place, the job, its shards and events are inserted in one transaction, and the shard
+        messages are sent. A failure at any point removes what was made: the file, the rows (once
+        committed) and the messages already sent. `grammar` is the submission's grammar check (one budget
+        for the whole submission; a batch passes the one its lines were checked with). `with_job` adds rows
+        made with the job (a batch's row; given the session and the job id) to the job's transaction."""
+        grammar = grammar or self.grammar_session()
+        resolved, served = self._resolve(params, self.served, grammar)
         job_id = job_store.new_job_id()
-        name = input_name(job_id)
+        created_at = utcnow()
+        staged, name = staging_name(job_id), input_name(job_id)
+        stored = False
         try:
-            self.blobs.write_stream(name, upload, self.settings.max_upload_bytes)
-        except UploadTooLarge as exc:
-            self.blobs.delete_job(job_id)
-            raise InputError(str(exc), status_code=413) from exc
-        with self.sessions() as session:
-            job_store.create_job(
-                session,
-                job_id=job_id,
-                tenant=tenant,
-                model=resolved.model,
-                params=resolved.model_dump(),
-                metadata=params.metadata,
-                input_name=name,
-            )
-        try:
-            if resolved.summarize is not None:
-                check_summarize_file(self.blobs.path(name), resolved.summarize)
-            validated = validate_parquet(
-                self.blobs.path(name), resolved, served.context_len, self.grammar_refusal
-            )
-            shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
-            with self.sessions() as session:
-                job_store.queue_job(session, job_id, validated.num_rows, shards)
-        except BaseException:
-            # Bad input leaves nothing behind: no job row, no file.
-            with self.sessions() as session:
-                job_store.delete_job(session, job_id)
-            self.blobs.delete_job(job_id)
-            raise
-        if self.dispatcher is not None:
             try:
-                self.dispatcher.dispatch(job_id, resolved.model, list(range(len(shards))))
-            except Exception as exc:
-                log.exception("could not enqueue job %s", job_id)
-                with self.sessions() as session:
-                    job_store.move(
-                        session,
-                        job_id,
-                        to=JobStatus.FAILED,
-                        only_from=[JobStatus.QUEUED],  # only if no worker has started it
-                        extra={"error": f"the broker could not be reached: {exc}"},
-                    )
-                raise BrokerUnavailable(str(exc)) from exc
+                self.blobs.write_stream(staged, upload, self.settings.max_upload_bytes)
+            except UploadTooLarge as exc:
+                raise InputError(str(exc), status_code=413) from exc
+            if resolved.summarize is not None:
+                check_summarize_file(self.blobs.path(staged), resolved.summarize)
+            validated = validate_parquet(self.blobs.path(staged), resolved, served.context_len, grammar)
+            shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
+            self.blobs.rename(staged, name)
+            with self.sessions() as session:
+                job_store.create_queued_job(
+                    session,
+                    job_id=job_id,
+                    tenant=tenant,
+                    model=resolved.model,
+                    params=resolved.model_dump(),
+                    metadata=params.metadata,
+                    input_name=name,
+                    created_at=created_at,
+                    num_rows=validated.num_rows,
+                    shards=shards,
+                    also=None if with_job is None else lambda session: with_job(session, job_id),
+                )
+            stored = True
+            self._dispatch(job_id, resolved.model, len(shards))
+        except BaseException:
+            self._undo_submission(job_id, resolved.model, stored)
+            raise
         return self.get(tenant, job_id)
+
+    def _dispatch(self, job_id: str, model: str, num_shards: int) -> None:
+        if self.dispatcher is None:
+            return
+        try:
+            self.dispatcher.dispatch(job_id, model, list(range(num_shards)))
+        except Exception as exc:
+            log.exception("could not enqueue job %s", job_id)
+            raise BrokerUnavailable(str(exc)) from exc
+
+    def undo_submission(self, job_id: str) -> None:
+        """Remove a submitted job that must not stay: its messages, rows (a batch made with it too) and files."""
+        with self.sessions() as session:
+            job = job_store.get_job(session, job_id)
+            model = job.model if job is not None else self.settings.default_model
+        self._undo_submission(job_id, model, stored=True)
+
+    def _undo_submission(self, job_id: str, model: str, stored: bool) -> None:
+        """Remove whatever a failed submission made: queue messages, rows, files. Each step is tried even
+        when an earlier one fails (the broker may be the reason we are here)."""
+        if stored and self.dispatcher is not None:
+            try:
+                self.dispatcher.withdraw(job_id, model)
+            except Exception:
+                log.warning("could not withdraw the messages of job %s", job_id, exc_info=True)
+        if stored:
+            try:
+                with self.sessions() as session:
+                    job_store.delete_job(session, job_id)
+            except Exception:
+                log.warning("could not delete the rows of job %s", job_id, exc_info=True)
+        self.blobs.delete(staging_name(job_id))
+        self.blobs.delete_job(job_id)
 
     def _job(self, session: Session, tenant: str, job_id: str) -> Job:
         job = job_store.get_job(session, job_id, tenant=tenant)
@@ -184,9 +228,10 @@ class JobService:
             started_at=job.started_at,
             finished_at=job.finished_at,
             request_counts=RequestCounts(**job_store.request_counts(session, job.id, job.num_rows)),
-            params=job.params,
-            metadata=job.job_metadata,
-            error=job.error,
+            # Stored values are rendered whatever they hold (text_rule.repaired): a read never fails on them.
+            params=repaired(job.params),
+            metadata=repaired(job.job_metadata),
+            error=repaired(job.error),
         )
 
     def get(self, tenant: str, job_id: str) -> JobObject:

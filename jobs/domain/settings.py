@@ -10,6 +10,8 @@ from platformdirs import user_cache_dir
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from jobs.domain.json_limits import JsonLimits
+
 
 def default_home() -> Path:
     return Path(user_cache_dir("freight"))
@@ -18,59 +20,165 @@ def default_home() -> Path:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FREIGHT_", extra="ignore")
 
-    home: Path = default_home()  # models cache, embedded database, job files
-    database_url: str | None = None  # None: SQLite under home (embedded default)
-    broker_url: str | None = None  # None: run jobs in-process (embedded default)
-    data_dir: Path | None = None  # None: home / "data"
-    shard_size: int = Field(1024, ge=1)  # 4 x max_num_seqs: a shard ramps up and drains its batch once
-    device_hour_usd: float = Field(0.10, ge=0)
-    max_upload_mb: int = Field(512, ge=1)
-    default_model: str = "smollm2-135m"
-    # Models the API accepts (aliases or folder paths); each has its own Celery queue.
-    models: list[str] = Field(default_factory=lambda: ["smollm2-135m"])
-    # "auto": the compute dtype and INT8 scheme measured fastest on the worker's machine (path_plan.py)
-    quantization: str | None = "auto"
-    kv_cache_dtype: str = "int8"
-    dtype: str = "auto"
-    # CPU INT8 GEMM; "auto": measured. Where two backends measure alike (the AMX machine: within 3%) the pick,
-    # and with it the exact tokens, can differ between machines or fresh calibrations: pin it to rule that out
-    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = "auto"
-    kv_cache_memory_gb: float = 2.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    # Cap on every model's context (tokens). None: each model's own (its max_position_embeddings, as a
-    # worker recorded it in the model registry); see jobs/domain/served_models.py.
-    max_model_len: int | None = Field(None, ge=2)
-    num_threads: int | None = None  # torch threads in the worker; None keeps torch's default
-    # engine optimisations, on by default (README "Engine"); off only to measure what they bring
-    enable_prefix_caching: bool = True
-    enable_speculation: bool = True
-    # the API asks the grammar engine (a child process) whether it accepts a submitted schema or regex,
-    # so a refused one is a 4xx naming the row; off, the worker fails such a row alone
-    grammar_check: bool = True
+    home: Path = Field(
+        default_home(),
+        description="Freight's own directory: the models cache (`models/`), the embedded SQLite database, the "
+        "calibration cache and, unless `FREIGHT_DATA_DIR` says otherwise, job files.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="Database URL. Unset: SQLite under `FREIGHT_HOME` (the embedded default of `freight run`). "
+        "The service needs Postgres: `postgresql+psycopg://user:pass@host/db`.",
+    )
+    broker_url: str | None = Field(
+        None,
+        description="Celery broker, `redis://host:6379/0`; the API and the workers need it. "
+        "Unset: jobs run in-process (the embedded default).",
+    )
+    data_dir: Path | None = Field(
+        None,
+        description="Job files (inputs, results, metrics). Unset: `FREIGHT_HOME/data`. "
+        "The API and every worker must see the same directory.",
+    )
+    shard_size: int = Field(
+        1024,
+        ge=1,
+        description="Rows per shard (one Celery task). A shard fills the batch at its start and drains it at its "
+        "end, so a few times `max_num_seqs` keeps the batch full.",
+    )
+    device_hour_usd: float = Field(
+        0.10,
+        ge=0,
+        description="Price of one device-hour, for the cost metrics "
+        "(`cost_usd = device_seconds / 3600 x device_hour_usd`).",
+    )
+    max_upload_mb: int = Field(
+        512,
+        ge=1,
+        description="Largest accepted upload, in MiB; a larger one gets a 413 before anything is stored.",
+    )
+    default_model: str = Field(
+        "smollm2-135m", description="Model of jobs that name none, and of `freight worker` without `--model`."
+    )
+    models: list[str] = Field(
+        default_factory=lambda: ["smollm2-135m"],
+        description="Models the API accepts (aliases or folder paths; a JSON list in the environment). "
+        "Each has its own Celery queue, `<prefix>.<model>`.",
+    )
+    quantization: str | None = Field(
+        "auto",
+        description="Engine default for weights: `auto` (the INT8 scheme measured fastest on the worker's machine "
+        "(`path_plan.py`), or none), `int8` (W8A8) or `none`.",
+    )
+    kv_cache_dtype: str = Field(
+        "int8",
+        description="Engine default KV-cache dtype: `int8` (per-token, per-head scales) or `auto` (the compute dtype).",
+    )
+    dtype: str = Field(
+        "auto",
+        description="Engine default compute dtype: `auto` (measured fastest at load), `float32`, `bfloat16` or "
+        "`float16`.",
+    )
+    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = Field(
+        "auto",
+        description="CPU INT8 GEMM: `auto` (measured), `onednn`, `int_mm` or `amx` (Freight's own tile GEMM, CPUs "
+        "with AMX-INT8; the same integers as the small-batch path, so its outputs equal `onednn`'s). Where two "
+        "backends measure alike the pick, and with it the exact tokens, can differ between machines or fresh "
+        "calibrations: pin it to rule that out.",
+    )
+    kv_cache_memory_gb: float = Field(2.0, description="KV-cache pool of a worker's engine on CPU, in GB.")
+    max_num_seqs: int = Field(256, description="Most sequences in one engine step.")
+    max_num_batched_tokens: int = Field(
+        4096, description="Most tokens in one engine step (decode rows plus prefill chunks)."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Cap on every model's context, in tokens. Unset: each model's own (its "
+        "`max_position_embeddings`, as a worker recorded it in the model registry; 2,048 for a model not "
+        "recorded yet); see `jobs/domain/served_models.py`.",
+    )
+    num_threads: int | None = Field(None, description="torch threads of a worker. Unset: torch's default.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Share the KV blocks of common prompt prefixes (an engine optimisation, on by default; off "
+        "only to measure what it brings).",
+    )
+    enable_speculation: bool = Field(
+        True,
+        description="Prompt-lookup speculative decoding (an engine optimisation, on by default; off only to "
+        "measure what it brings).",
+    )
+    grammar_check: bool = Field(
+        True,
+        description="The API asks the grammar engine (a child process) whether it accepts a submitted JSON schema "
+        "or regex, so a refused one is a 4xx naming the row; off, the worker fails such a row alone.",
+    )
+    grammar_budget_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Time one submission may spend asking the grammar engine about its constraints, all of "
+        "them together; over it the submission is a 422 (docs/input-rules.md).",
+    )
+    json_limits: JsonLimits = Field(
+        default_factory=JsonLimits,
+        description="Limits of every JSON the API parses (request bodies, params, JSONL lines; json_schema strings "
+        "have fixed limits of their own), "
+        'as a JSON object: `{"max_bytes", "max_depth", "max_number_chars", "max_keys"}` (docs/input-rules.md).',
+    )
+    body_idle_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="A request body that stops arriving for this long is answered 408 and its connection "
+        "closed (a client that promises 2 MB and sends 1 KB holds nothing for long).",
+    )
 
     # Service
-    api_url: str = "http://127.0.0.1:8000"  # where the CLI and client find the API
-    api_key: str | None = None  # bearer key the CLI and client send
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    flower_port: int = 5555
-    # Prometheus metrics of each `freight worker` (prometheus-client's server); None: not served.
-    # Each worker on a host needs its own port (`freight worker --metrics-port`).
-    worker_metrics_port: int | None = None
-    worker_metrics_host: str = "127.0.0.1"
-    queue_prefix: str = "freight"  # Celery queue names are <prefix>.<model>
-    result_chunk_rows: int = Field(64, ge=1)  # result rows per bulk insert
-    result_flush_seconds: float = 2.0  # flush a partial chunk after this long
-    # A shard's lease in Postgres: a worker renews it while it runs; another worker may take the
-    # shard over only after it lapses. A task redelivered while the lease is held looks again later.
-    shard_lease_seconds: float = 120.0
-    broker_visibility_timeout: int = 3600  # seconds before Redis redelivers an unacked shard task
-    # The API re-sends tasks the broker lost (see jobs/domain/recovery.py) after two sweeps this far apart.
-    recovery_interval_seconds: float = Field(30.0, gt=0)
-    shard_max_attempts: int = 3  # after this many failed runs a shard's rows become error rows
-    cancel_poll_seconds: float = 1.0  # how often a running shard checks for cancellation
-    timeline_max_points: int = 200  # bounded time series per shard (tokens/s, batch, KV use)
+    api_url: str = Field(
+        "http://127.0.0.1:8000", description="Where the CLI and the Python client find the API."
+    )
+    api_key: str | None = Field(None, description="Bearer key the CLI and the Python client send.")
+    api_host: str = Field("127.0.0.1", description="Address `freight api` listens on.")
+    api_port: int = Field(8000, description="Port `freight api` listens on.")
+    flower_port: int = Field(5555, description="Port `freight flower` listens on.")
+    worker_metrics_port: int | None = Field(
+        None,
+        description="Port of a worker's Prometheus metrics (prometheus-client's server). Unset: not served. "
+        "Each worker on a host needs its own port (`freight worker --metrics-port` overrides).",
+    )
+    worker_metrics_host: str = Field(
+        "127.0.0.1", description="Address a worker's Prometheus metrics listen on."
+    )
+    queue_prefix: str = Field("freight", description="Celery queue names are `<prefix>.<model>`.")
+    result_chunk_rows: int = Field(64, ge=1, description="Result rows per bulk insert.")
+    result_flush_seconds: float = Field(
+        2.0, description="A partial chunk of result rows is inserted after this many seconds."
+    )
+    shard_lease_seconds: float = Field(
+        120.0,
+        description="A shard's lease in Postgres: the worker renews it every quarter of this while the shard runs; "
+        "another worker may take the shard over only after it lapses.",
+    )
+    broker_visibility_timeout: int = Field(
+        3600,
+        description="Seconds before Redis redelivers an unacknowledged shard task. A redelivered task whose shard's "
+        "lease is still held looks again every half lease instead of running the shard twice.",
+    )
+    recovery_interval_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="How often the API sweeps for shard tasks the broker lost (re-sent when missing on two sweeps "
+        "this far apart; see `jobs/domain/recovery.py`) and expires overdue batches.",
+    )
+    shard_max_attempts: int = Field(
+        3,
+        description="Failed runs of a shard before its remaining rows become error rows (the job still finishes).",
+    )
+    cancel_poll_seconds: float = Field(1.0, description="How often a running shard checks for cancellation.")
+    timeline_max_points: int = Field(
+        200,
+        description="Samples of tokens/s, batch size and KV use kept per shard (the job report's plots).",
+    )
 
     @field_validator("quantization", mode="before")
     @classmethod

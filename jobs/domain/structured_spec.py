@@ -17,9 +17,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from jobs.domain.constraint_limits import (
+    MAX_SCHEMA_CHARS,
+    SCHEMA_JSON_LIMITS,
+    regex_problem,
+    schema_problem,
+)
+from jobs.domain.json_limits import parse_json
+
 STRUCTURED_COLUMNS = ("json_schema", "regex", "choice")
-MAX_SCHEMA_CHARS = 64 * 1024
-MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 MAX_SCHEMA_NAME_CHARS = 64
@@ -43,12 +49,12 @@ def schema_text(value: Any, what: str = "json_schema") -> str:
     if isinstance(value, str):
         if len(value) > MAX_SCHEMA_CHARS:
             raise ValueError(f"{what} is longer than {MAX_SCHEMA_CHARS} characters")
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+        value = parse_json(value, what, SCHEMA_JSON_LIMITS)  # bounded: depth, numbers, keys, text
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object (a JSON schema), got {type(value).__name__}")
+    problem = schema_problem(value)  # structural limits, before any grammar is compiled
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"{what} is longer than {MAX_SCHEMA_CHARS} characters")
@@ -58,8 +64,9 @@ def schema_text(value: Any, what: str = "json_schema") -> str:
 def check_regex(value: Any, what: str = "regex") -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a non-empty string")
-    if len(value) > MAX_REGEX_CHARS:
-        raise ValueError(f"{what} is longer than {MAX_REGEX_CHARS} characters")
+    problem = regex_problem(value)  # the same rule as a schema's `pattern`
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
     return value
 
 

@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 from jobs.domain.errors import InputError, clip_repr
 from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
-from jobs.domain.schemas import MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
+from jobs.domain.schemas import MAX_SEED, MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
 from jobs.domain.structured_spec import check_column_types, check_column_values
+from jobs.domain.text_rule import check_arrow_text
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5
@@ -59,7 +60,7 @@ def validate_parquet(
     path: Path,
     params: ResolvedParams,
     max_model_len: int,
-    grammar_refusal: GrammarRefusal | None = None,  # the grammar engine's answer (grammar_check.py)
+    grammar: GrammarRefusal | None = None,  # the submission's grammar check (grammar_check.py)
 ) -> ValidatedInput:
     parquet = open_parquet(path)
     schema = parquet.schema_arrow
@@ -77,9 +78,16 @@ def validate_parquet(
         )
 
     structured = check_column_types(schema)  # json_schema / regex / choice row columns
+    id_column = params.summarize.id_column if params.summarize is not None else None
     columns = list(
-        dict.fromkeys([*source.columns, *overrides, *structured, *(["custom_id"] if has_custom_id else [])])
-    )
+        dict.fromkeys([
+            *source.columns, *overrides, *structured, *(["custom_id"] if has_custom_id else []),
+            *([id_column] if id_column in schema.names else []),
+        ])
+    )  # fmt: skip
+    # The text rule (text_rule.py): every string cell read is valid UTF-8; ids, which are stored, hold no NUL.
+    text_columns = {name: True for name in (*source.columns, *structured)}
+    text_columns.update({name: False for name in ("custom_id", id_column) if name in columns})
     lengths: list[np.ndarray] = []
     seen_ids: set[str] = set()
     duplicates: list[str] = []
@@ -87,12 +95,15 @@ def validate_parquet(
     offset = 0
     try:
         for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            batch = _decoded(batch)
+            for name, allow_nul in text_columns.items():
+                check_arrow_text(batch.column(name), name, offset, allow_nul=allow_nul)
             chars = _prompt_chars(batch, source)
             empty_rows += int(np.count_nonzero(chars == 0))
             lengths.append(chars)
             for name in overrides:
                 _check_override_values(name, batch.column(name), offset, params, max_model_len)
-            check_column_values(batch, structured, offset, grammar_refusal)
+            check_column_values(batch, structured, offset, grammar)
             if has_custom_id:
                 _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
             offset += batch.num_rows
@@ -115,6 +126,17 @@ def validate_parquet(
         null_or_empty_rows=empty_rows,
         override_columns=overrides,
     )
+
+
+def _decoded(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` with dictionary-encoded columns (how pyarrow and Spark often write strings) as plain ones,
+    so every check below sees values, not indices."""
+    if not any(pa.types.is_dictionary(field.type) for field in batch.schema):
+        return batch
+    arrays = [
+        column.dictionary_decode() if pa.types.is_dictionary(column.type) else column for column in batch.columns
+    ]
+    return pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
 
 
 def _prompt_chars(batch: pa.RecordBatch, source: PromptSource) -> np.ndarray:
@@ -165,6 +187,10 @@ def _check_override_values(
     elif name == "top_p":
         bad = valid & ~((values > 0) & (values <= 1))
         limit = "in (0, 1]"
+    elif name == "seed":
+        # Compared as Python ints: a uint64 2^64 - 1 or an int64 -5 is out of range either way.
+        bad = np.array([value is not None and not 0 <= int(value) <= MAX_SEED for value in column.to_pylist()])
+        limit = f"between 0 and {MAX_SEED}"
     else:
         return
     if bad.any():
@@ -178,14 +204,6 @@ def _check_custom_ids(column: pa.Array, offset: int, seen: set[str], duplicates:
     if column.null_count:
         row = offset + int(np.argmax(pc.is_null(column).to_numpy(zero_copy_only=False)))
         raise InputError(f"row {row}: custom_id is null", row=row, column="custom_id")
-    has_nul = pc.match_substring(column, "\x00").to_numpy(zero_copy_only=False)
-    if has_nul.any():
-        row = offset + int(np.argmax(has_nul))
-        raise InputError(
-            f"row {row}: custom_id contains a NUL character, which cannot be stored",
-            row=row,
-            column="custom_id",
-        )
     long_ids = pc.utf8_length(column).to_numpy(zero_copy_only=False) > MAX_CUSTOM_ID_CHARS
     if long_ids.any():
         row = offset + int(np.argmax(long_ids))

@@ -65,7 +65,7 @@ def test_a_refused_row_schema_is_a_4xx_naming_the_row(checker: GrammarChecker, t
         }),
         source,
     )  # fmt: skip
-    service = JobService(Settings(), None, None, None, grammar_refusal=checker.refusal)
+    service = JobService(Settings(), None, None, None, grammar=checker)
     resolved = service.resolve(job_params({"max_tokens": 16}))
     with pytest.raises(InputError) as caught:
         validate_parquet(source, resolved, 2048, checker.refusal)
@@ -76,8 +76,8 @@ def test_a_refused_row_schema_is_a_4xx_naming_the_row(checker: GrammarChecker, t
 
 
 def test_a_refused_job_schema_is_a_4xx_naming_the_field(checker: GrammarChecker) -> None:
-    service = JobService(Settings(), None, None, None, grammar_refusal=checker.refusal)
+    service = JobService(Settings(), None, None, None, grammar=checker)
     with pytest.raises(InputError) as caught:
-        service.resolve(job_params({"max_tokens": 16, "regex": "(?<=a)b"}))
-    assert caught.value.field == "regex" and "ookbehind" in caught.value.message
+        service.resolve(job_params({"max_tokens": 16, "regex": r"(a)\1"}))
+    assert caught.value.field == "regex" and "Backreference" in caught.value.message
     assert service.resolve(job_params({"max_tokens": 16, "regex": "[ab]+"})).structured is not None

@@ -1,46 +1,30 @@
 """Prompt-lookup speculative decoding: drafts read from a sequence's own tokens, verified in one step.
 
-Drafting: for each decoding sequence, the longest suffix n-gram of its tokens (MAX_NGRAM tokens down to
-MIN_NGRAM) that also occurs earlier in its prompt or output, at its most recent earlier occurrence, proposes the
-tokens that followed it there. A summary copies names, numbers and phrases from its document, so such a
-lookup costs microseconds and needs no second model. The step feeds the sequence's last token and its k
-draft tokens as 1 + k decode rows (row j attends to the context up to its own position, through the
-paged decode kernel, exactly as k + 1 plain decodes would; on CPU the kernel reads the sequence's cache
-once for the run of rows), and verify.py keeps the longest agreeing
-run plus one token. KV slots of rejected draft tokens count as uncomputed and their blocks are trimmed.
+What: for each decoding sequence, the longest suffix n-gram of its tokens (MAX_NGRAM down to MIN_NGRAM
+tokens) that also occurs earlier in its prompt or output proposes the tokens that followed its most recent
+earlier occurrence. The step feeds the last token and k draft tokens as 1 + k decode rows (each attends up
+to its own position, exactly as k + 1 plain decodes would); verify.py keeps the longest agreeing run plus
+one token, and the KV slots of rejected tokens are trimmed. Why: a summary copies names, numbers and
+phrases from its document, so such a lookup costs microseconds and needs no second model.
 
-How many tokens (adaptive k, per sequence): k starts at num_speculative_tokens, grows by 2 after a
-fully accepted draft and shrinks by 1 after a rejection. An exponential average of the accepted share
-of proposed tokens is the sequence's expected acceptance; below ACCEPTANCE_FLOOR it does not draft. A
-draft that is not fed (acceptance under the floor, or not paying) is kept as a shadow and scored against
-the tokens the sequence emits next, as verification would have scored it, at no cost: acceptance is
-learned from every lookup, so a sequence that starts copying (a summary that quotes, or falls into a
-loop) drafts again at once, and one that does not never pays.
+How many tokens: k starts at num_speculative_tokens, grows by 2 after a fully accepted draft and shrinks by
+1 after a rejection. An exponential average of the accepted share is the sequence's expected acceptance;
+below ACCEPTANCE_FLOOR its drafts are not fed but kept as shadows, scored against the tokens it emits next
+at no cost, so a sequence that starts copying (or falls into a loop) drafts again at once.
 
-When (the on/off rule, per step): speculation pays only where extra rows are cheap. A decode step over
-a few sequences is bound by reading the weights once, however many rows it multiplies; a step of many
-rows is bound by arithmetic, where a draft's k rows cost about k decodes and return fewer tokens. With
-"auto" and a small-batch measurement (INT8 on CPU), the step prices rows with it (step_cost.py) and
-takes each draft, best acceptance first, only while it raises the step's useful rows per second by a
-margin: a draft of k tokens adds acceptance x k useful rows (its sequence's average accepted share) for
-cost(rows + k) - cost(rows); it is taken when that marginal rate is at least PAY_MARGIN times the
-step's average (every prefill token and decode row counts one useful row). In the tail (nothing
-waiting or prefilling) an accepted token is worth more than the row it frees: the batch runs until its
-slowest sequence ends, so a token that sequence gains removes one of the last steps, each about a
-one-row step; not knowing which sequence that is, the n sequences that started decoding last (within
-TAIL_SLACK steps) get cost(1) / n per accepted token on top. With the VNNI small-batch product the
-projections' cost rises by ~3% a row from 16 rows, and the average-row rule alone took 25% fewer drafts
-on the sample-document job than with the older kernel (264.6 output tokens/s with speculation on, against
-277.4); with the tail's share, 295.3 (mean of four runs). On the 2-core AVX-512 VM (bfloat16 + W8A8)
-a 16-row decode step costs 18.4 ms and 80 rows 33.2 ms: sixteen 4-token drafts at 84% acceptance take
-the step from 0.9 to 2.1 useful rows per ms, so a shard's tail or a job of a few long documents drafts;
-at 256 rows the marginal row costs 0.24 ms against 0.30 ms on average, which no acceptance below 100%
-repays with the margin, so a full batch (a shard's bulk) drafts nothing. Without a measurement (float compute, CUDA) a step drafts while its rows stay within
-DEFAULT_MAX_ROWS; an integer `speculation_max_rows` is such a bound too, with no pricing.
+When: speculation saves whole steps, so it pays only where extra rows are cheap. A step over a few
+sequences is bound by reading the weights once; a step of many rows by arithmetic, where k draft rows cost
+about k decodes. With a small-batch measurement (INT8 on CPU) the step prices rows with it (step_cost.py)
+and takes each draft, best acceptance first, only while its expected accepted rows raise the step's useful
+rows per second by PAY_MARGIN. In the tail (nothing waiting or prefilling) the batch runs until its slowest
+sequence ends, so each token that sequence gains saves about a one-row step; not knowing which one it is,
+the sequences that started decoding last (within TAIL_SLACK steps) share that saving. Without a measurement
+(float compute, CUDA) a step drafts while its rows stay within DEFAULT_MAX_ROWS (or an integer
+`speculation_max_rows`). The rule in prose: docs/engine.md; measurements: docs/benchmarks.md.
 
 Draft slots always lie past a sequence's committed tokens, in blocks it allocated itself (never shared:
-cached blocks are full blocks of committed tokens), and drafts take only blocks on the free list, so
-they never evict a cached block.
+cached blocks are full blocks of committed tokens), and drafts take only blocks on the free list, so they
+never evict a cached block.
 """
 
 from __future__ import annotations

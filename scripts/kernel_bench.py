@@ -4,6 +4,7 @@
   python scripts/kernel_bench.py --device cpu [--out DIR]    # the CPU paths: decode chunk sizes, W8A8 vs bf16
   python scripts/kernel_bench.py --device cpu --ops small_batch   # the small-batch INT8 product's two AVX2 forms
   python scripts/kernel_bench.py --device cpu --ops amx_gemm      # the AMX tile GEMM vs oneDNN, a layer's products
+  python scripts/kernel_bench.py --device cpu --ops greedy_head   # the fused greedy LM head vs logits + max
 
 Every case runs in its own try block: a failure is recorded in the JSON and the rest still run.
 Times are medians in milliseconds.
@@ -20,6 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -201,6 +203,55 @@ def small_batch_cases(device: str, quick: bool) -> list[dict]:
     return cases
 
 
+def _fused_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
+    from kernels.cpu_int8_small_batch import int8_argmax_small_batch
+
+    w_q, w_scale, sums, _ = head
+    return int8_argmax_small_batch(x, w_q, w_scale, sums)[0]
+
+
+def _onednn_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
+    from kernels import cpu_int8_linear
+
+    return cpu_int8_linear.int8_linear_onednn(x, head[3], None, torch.float32).max(-1).indices
+
+
+def _small_batch_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
+    from kernels.cpu_int8_small_batch import int8_linear_small_batch
+
+    w_q, w_scale, sums, _ = head
+    return int8_linear_small_batch(x, w_q, w_scale, None, torch.float32, None, sums).max(-1).indices
+
+
+def greedy_head_cases(device: str, quick: bool) -> list[dict]:
+    """A greedy step's LM head: the fused argmax against the [M, vocab] logits (oneDNN's qlinear or the
+    small-batch product) and their max, on SmolLM2's and Gemma 3's heads, after checking the picks agree."""
+    from kernels import cpu_int8_linear
+    from kernels.cpu_int8_small_batch import available, seven_bit_row_sums
+
+    if device != "cpu" or not (available() and cpu_int8_linear.onednn_available()):
+        return []
+    reps = 3 if quick else 5
+    cases = []
+    for model, N, K in (("smollm2", 49152, 576), ("gemma3", 262144, 640)):
+        w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K), cpu_int8_linear.weight_qmax())
+        sums, packed = seven_bit_row_sums(w_q), cpu_int8_linear.prepack_codes(w_q, w_scale)
+
+        head = (w_q, w_scale, sums, packed)
+        fused, onednn, small = (partial(f, head=head) for f in (_fused_picks, _onednn_picks, _small_batch_picks))
+        for M in (24, 64, 128, 256):
+            x = torch.randn(M, K)
+            if not torch.equal(fused(x), onednn(x)):
+                raise AssertionError(f"the fused picks differ from the logits' max at M={M} ({model})")
+            case = dict(op="greedy_lm_head", model=model, M=M, K=K, N=N)
+            case["fused_ms"] = time_ms(device, reps, fused, x)
+            case["onednn_max_ms"] = time_ms(device, reps, onednn, x)
+            case["small_batch_max_ms"] = time_ms(device, reps, small, x)
+            case["speedup"] = min(case["onednn_max_ms"], case["small_batch_max_ms"]) / case["fused_ms"]
+            cases.append(case)
+    return cases
+
+
 def amx_gemm_cases(device: str, quick: bool) -> list[dict]:
     """One SmolLM2 layer's four W8A8 products (bfloat16 activations; quantization and epilogue included) on
     the AMX tile GEMM and on oneDNN's qlinear with our passes, after checking they agree bit for bit."""
@@ -258,7 +309,7 @@ def main() -> int:
         "errors": [],
     }
     suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases,
-                  small_batch=small_batch_cases, amx_gemm=amx_gemm_cases)
+                  small_batch=small_batch_cases, amx_gemm=amx_gemm_cases, greedy_head=greedy_head_cases)
     for op in args.ops.split(","):
         try:
             report["cases"].extend(suites[op](args.device, args.quick))

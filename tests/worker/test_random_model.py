@@ -78,7 +78,7 @@ def test_tiny_random_model_runs_the_bench_with_a_breakdown(
     breakdown = freight["decode_breakdown"]
     assert breakdown["decode_steps"] > 0 and breakdown["decode_seconds"] > 0
     shares = breakdown["shares"]
-    assert all(shares[part] > 0 for part in ("attention", "mlp", "projections"))
-    assert sum(shares[part] for part in ("attention", "mlp", "projections", "rest")) == pytest.approx(
+    assert all(shares[part] > 0 for part in ("attention", "mlp", "projections", "lm_head"))
+    assert sum(shares[part] for part in ("attention", "mlp", "projections", "lm_head", "rest")) == pytest.approx(
         1.0, abs=1e-3
     )

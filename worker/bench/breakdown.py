@@ -8,8 +8,8 @@ tens of milliseconds).
 
 A step is a decode step when it runs no prefill chunk (speculative drafts verified in it count as decode).
 MLP time runs from the gate/up product's start to the down product's end, so it holds the activation;
-`rest` is the step's time outside attention, MLP and projections: embeddings, norms, rope, the LM head,
-sampling, scheduling.
+`lm_head` is the head's product (its logits, or the fused greedy picks); `rest` is the step's time outside
+these: embeddings, norms, rope, sampling, scheduling.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 @dataclass
 class Breakdown:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("step", "forward", "attention", "mlp", "projections"), 0.0))  # fmt: skip
+        ("step", "forward", "attention", "mlp", "projections", "lm_head"), 0.0))  # fmt: skip
     steps: int = 0
     decode: bool = False  # the step being timed is a decode step
     _mlp_started: float = 0.0
@@ -34,9 +34,9 @@ class Breakdown:
     def as_dict(self) -> dict[str, Any]:
         s = self.seconds
         step = max(s["step"], 1e-12)
-        rest = s["step"] - s["attention"] - s["mlp"] - s["projections"]
-        shares = {"attention": s["attention"], "mlp": s["mlp"], "projections": s["projections"], "rest": rest,
-                  "outside_forward": s["step"] - s["forward"]}  # fmt: skip
+        rest = s["step"] - s["attention"] - s["mlp"] - s["projections"] - s["lm_head"]
+        shares = {"attention": s["attention"], "mlp": s["mlp"], "projections": s["projections"],
+                  "lm_head": s["lm_head"], "rest": rest, "outside_forward": s["step"] - s["forward"]}  # fmt: skip
         return {
             "decode_steps": self.steps,
             "decode_seconds": round(s["step"], 3),
@@ -109,6 +109,8 @@ def install(llm: Any) -> Breakdown:
 
     engine.step = timed_step
     model.forward = timed_forward
+    model.logits = _Timed(model.logits, "lm_head", breakdown)
+    model.greedy_picks = _Timed(model.greedy_picks, "lm_head", breakdown)
     kv_cache.attend = _Timed(attend, "attention", breakdown)
     for layer in model.layers:
         layer.qkv = _Timed(layer.qkv, "projections", breakdown)

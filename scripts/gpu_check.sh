@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Run on a machine with an NVIDIA GPU, from the repository root: bash scripts/gpu_check.sh
 #   1. the kernel tests with the Triton kernels compiled for CUDA (TRITON_INTERPRET=0), against the references;
-#   2. scripts/kernel_bench.py: each Triton kernel vs the torch path at realistic shapes, as JSON.
+#   2. scripts/kernel_bench.py: each Triton kernel vs the torch path at realistic shapes, as JSON;
+#   3. scripts/gpu_e2e.py: the engine end to end on a random-weight Llama-3.1-8B shape (bf16, W8A8 + INT8 KV):
+#      output tokens/s, decode step time at batch 64/256, achieved HBM bandwidth. It needs what
+#      scripts/gpu_carry.sh prepares here (carry `.whl` and `.gpu_models`); CI runs it with --dry-run on CPU.
+# STAGES=tests,bench,e2e (the default) picks stages: one device call allows 600 s, so run e2e in its own call.
 # Outputs (logs, JUnit XML, JSON) go to $OUT if set, else ./gpu_check_out. Uses the machine's python3
 # (the repository's .venv is not valid there) and installs only what is missing; no internet is assumed.
-# Time limits (the lent device allows 600 s a call): TESTS_TIMEOUT_S (330), BENCH_TIMEOUT_S (180).
+# Time limits (the lent device allows 600 s a call): TESTS_TIMEOUT_S (330), BENCH_TIMEOUT_S (180), E2E_TIMEOUT_S (540).
 # Imports `kernels` straight from the working tree, so the package itself need not be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,23 +53,50 @@ print(f"cuda available: {torch.cuda.is_available()}, device: {torch.cuda.get_dev
 EOF
 "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || { log "no CUDA device: stop"; exit 2; }
 
+STAGES="${STAGES:-tests,bench,e2e}"
+wants() { [[ ",$STAGES," == *",$1,"* ]]; }
+tests_rc=0
+bench_rc=0
+e2e_rc=0
+
 # --confcutdir keeps pytest from loading tests/conftest.py, which needs the whole app (transformers, the
 # model, Postgres); tests/kernels/conftest.py is self-contained.
-log "kernel tests on CUDA"
-set +e
-timeout "${TESTS_TIMEOUT_S:-330}" "$PYTHON" -m pytest tests/kernels -q -rfEs -p no:cacheprovider --confcutdir=tests/kernels \
-  --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
-tests_rc=${PIPESTATUS[0]}
-set -e
-log "kernel tests exit code: $tests_rc"
+if wants tests; then
+  log "kernel tests on CUDA"
+  set +e
+  timeout "${TESTS_TIMEOUT_S:-330}" "$PYTHON" -m pytest tests/kernels -q -rfEs -p no:cacheprovider --confcutdir=tests/kernels \
+    --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
+  tests_rc=${PIPESTATUS[0]}
+  set -e
+  log "kernel tests exit code: $tests_rc"
+fi
 
-log "kernel benchmark"
-set +e
-timeout "${BENCH_TIMEOUT_S:-180}" "$PYTHON" scripts/kernel_bench.py --device cuda --out "$OUT" > "$OUT/kernel_bench.log" 2>&1
-bench_rc=$?
-set -e
-tail -c 20000 "$OUT/kernel_bench.log"
-log "kernel benchmark exit code: $bench_rc"
+if wants bench; then
+  log "kernel benchmark"
+  set +e
+  timeout "${BENCH_TIMEOUT_S:-180}" "$PYTHON" scripts/kernel_bench.py --device cuda --out "$OUT" > "$OUT/kernel_bench.log" 2>&1
+  bench_rc=$?
+  set -e
+  tail -c 20000 "$OUT/kernel_bench.log"
+  log "kernel benchmark exit code: $bench_rc"
+fi
 
-log "done: tests rc=$tests_rc, bench rc=$bench_rc, outputs in $OUT"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+if wants e2e; then
+  # the engine imports our transformers version (the image's is older) and platformdirs: carried wheels
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    log "no .whl folder: run scripts/gpu_carry.sh here and carry .whl and .gpu_models"
+  fi
+  log "engine end to end on CUDA"
+  set +e
+  PYTHONUNBUFFERED=1 timeout "${E2E_TIMEOUT_S:-540}" "$PYTHON" scripts/gpu_e2e.py --device cuda --models-dir .gpu_models \
+    --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/gpu_e2e.log"
+  e2e_rc=${PIPESTATUS[0]}
+  set -e
+  log "engine end to end exit code: $e2e_rc"
+fi
+
+log "done: tests rc=$tests_rc, bench rc=$bench_rc, e2e rc=$e2e_rc, outputs in $OUT"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ]

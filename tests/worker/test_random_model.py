@@ -10,6 +10,7 @@ import pytest
 from worker.bench.random_model import FAMILIES, build_random_model, hf_config, random_model_path
 from worker.commands import bench
 from worker.engine.config import ModelConfig
+from worker.engine.parameters import parameter_counts
 
 # a tiny shape of any family: the real vocabulary (ids past the copied tokenizer's), two layers
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -45,6 +46,9 @@ def test_random_families_have_their_real_shapes() -> None:
     assert (llama.intermediate_size, llama.vocab_size, llama.rope_theta) == (8192, 128256, 500000.0)
     assert llama.rope_scaling["rope_type"] == "llama3" and llama.rope_scaling["factor"] == 32.0
     assert llama.tie_word_embeddings
+
+    # the GPU stage's shape (scripts/gpu_e2e.py): Llama-3.1-8B's published 8,030,261,248 parameters
+    assert parameter_counts(ModelConfig.from_hf(hf_config("llama3.1-8b"))).total == 8_030_261_248
 
     moe = ModelConfig.from_hf(hf_config("qwen3-moe-small"))
     assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (

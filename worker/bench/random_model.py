@@ -79,6 +79,16 @@ FAMILIES: Mapping[str, RandomFamily] = MappingProxyType({
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True,
     }),
+    # meta-llama/Llama-3.1-8B config.json (the GPU stage's shape: scripts/gpu_e2e.py)
+    "llama3.1-8b": RandomFamily(source="meta-llama/Llama-3.1-8B", tokenizer=SMOLLM2, config={
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False,
+    }),
     # Qwen/Qwen3-30B-A3B config.json scaled down (hidden 2048 -> 1024, 48 -> 12 layers, 32 -> 16 heads,
     # 128 -> 64 experts, moe_intermediate 768 -> 256); kept: 4 KV heads, head_dim 128, top-8 routing with
     # renormalised weights, every layer sparse, vocab, rope, untied head
@@ -133,6 +143,7 @@ def build_random_model(
     overrides: Mapping[str, Any] | None = None,  # config fields to change (tests: a tiny shape)
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    device: str = "cpu",  # where the random init runs: an 8B model's takes minutes on CPU, seconds on a GPU
 ) -> Path:
     """Write a random-weight HF folder of `name`'s shape (with `overrides`) into `out_dir`."""
     from transformers import AutoModelForCausalLM
@@ -141,7 +152,8 @@ def build_random_model(
     tokenizer_dir = tokenizer_folder(family(name).tokenizer, cache_dir)
     config = hf_config(name, overrides, tokenizer_dir)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     scratch = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(scratch, ignore_errors=True)
     model.save_pretrained(scratch)

@@ -471,6 +471,32 @@ void pick_block(const int32_t* acc, int64_t M, int64_t width, const float* x_sca
   }
 }
 
+// What the SIMD loop (product_rows) takes beside the codes: the activations' row sums (the VNNI loop's
+// unsigned-activation correction), or with the row sums of 7-bit weight codes on AVX2 the activations + 128.
+struct LoopExtras {
+  std::vector<int32_t> x_sums;
+  std::vector<uint8_t> xu;
+  const int32_t* w_sum = nullptr;
+};
+
+LoopExtras loop_extras(const int8_t* x, int64_t M, int64_t K, int64_t N, const c10::optional<torch::Tensor>& w_sums) {
+  LoopExtras extras;
+#if defined(FREIGHT_INT8_VNNI512)
+  extras.x_sums = row_sums(x, M, K);
+#endif
+#if defined(__AVX2__) && !defined(FREIGHT_INT8_VNNI512)
+  if (w_sums.has_value()) {
+    TORCH_CHECK(w_sums->dim() == 1 && w_sums->size(0) == N && w_sums->is_contiguous() &&
+                    w_sums->scalar_type() == at::kInt,
+                "w_sums must be a contiguous [N] int32 tensor");
+    extras.w_sum = w_sums->const_data_ptr<int32_t>();
+    extras.xu.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) extras.xu[i] = static_cast<uint8_t>(x[i]) ^ 0x80;  // x + 128
+  }
+#endif
+  return extras;
+}
+
 }  // namespace
 
 // x_q [M, K] int8 with x_scale [M] float32 (per-token codes), w_q [N, K] int8 with w_scale [N] float32 ->
@@ -494,22 +520,7 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch
   const int8_t* w = w_q.const_data_ptr<int8_t>();
   const float* xs = x_scale.const_data_ptr<float>();
   const float* ws = w_scale.const_data_ptr<float>();
-#if defined(FREIGHT_INT8_VNNI512)
-  const std::vector<int32_t> x_sums = row_sums(x, M, K);
-#else
-  const std::vector<int32_t> x_sums;
-#endif
-  const int32_t* w_sum = nullptr;
-  std::vector<uint8_t> xu;
-#if defined(__AVX2__) && !defined(FREIGHT_INT8_VNNI512)
-  if (w_sums.has_value()) {
-    TORCH_CHECK(w_sums->dim() == 1 && w_sums->size(0) == N && w_sums->is_contiguous() &&
-                    w_sums->scalar_type() == at::kInt, "w_sums must be a contiguous [N] int32 tensor");
-    w_sum = w_sums->const_data_ptr<int32_t>();
-    xu.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(x[i]) ^ 0x80;
-  }
-#endif
+  const LoopExtras extras = loop_extras(x, M, K, N, w_sums);
   bool tiles = false;  // each block's 16-row multiples on AMX tiles, as `product` takes them
 #if defined(FREIGHT_INT8_AMX)
   TORCH_CHECK(!amx || available_amx(), "AMX is not usable here");
@@ -539,8 +550,8 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch
         }
 #endif
         if (on_tiles < width)
-          product_rows(x, w + n0 * K, x_sums.data(), xu.data(), w_sum ? w_sum + n0 : nullptr, acc.data(), M, K, width,
-                       on_tiles, width);
+          product_rows(x, w + n0 * K, extras.x_sums.data(), extras.xu.data(),
+                       extras.w_sum ? extras.w_sum + n0 : nullptr, acc.data(), M, K, width, on_tiles, width);
         pick_block(acc.data(), M, width, xs, ws + n0, n0, mine);
       }
     }
@@ -588,26 +599,11 @@ void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx, 
 #else
   TORCH_CHECK(!amx, "built without AMX support");
 #endif
-#if defined(FREIGHT_INT8_VNNI512)
-  const std::vector<int32_t> x_sums = row_sums(x, M, K);
-#else
-  const std::vector<int32_t> x_sums;  // the sign-trick loops need no correction
-#endif
-  const int32_t* w_sum = nullptr;
-  std::vector<uint8_t> xu;
-#if defined(__AVX2__) && !defined(FREIGHT_INT8_VNNI512)
-  if (w_sums.has_value()) {
-    TORCH_CHECK(w_sums->dim() == 1 && w_sums->size(0) == N && w_sums->is_contiguous() &&
-                    w_sums->scalar_type() == at::kInt,
-                "w_sums must be a contiguous [N] int32 tensor");
-    w_sum = w_sums->const_data_ptr<int32_t>();
-    xu.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(x[i]) ^ 0x80;  // x + 128
-  }
-#endif
+  const LoopExtras extras = loop_extras(x, M, K, N, w_sums);
   // n_simd is a multiple of a tile's 16 rows, and so of kGrainRows
   at::parallel_for(n_simd / kGrainRows, (N + kGrainRows - 1) / kGrainRows, 1, [&](int64_t first, int64_t last) {
-    product_rows(x, w, x_sums.data(), xu.data(), w_sum, o, M, K, N, first * kGrainRows, std::min(N, last * kGrainRows));
+    product_rows(x, w, extras.x_sums.data(), extras.xu.data(), extras.w_sum, o, M, K, N, first * kGrainRows,
+                 std::min(N, last * kGrainRows));
   });
 }
 

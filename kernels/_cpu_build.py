@@ -5,7 +5,13 @@ one tier runs on every machine of that tier, and a forced lower tier (FREIGHT_CP
 build beside the native one. The sources pick their code paths by the feature macros those flags define.
 
 A C++ compiler and ninja are needed; when the build fails, or FREIGHT_CPU_KERNELS=0, callers fall back
-to their torch paths, so a machine without a toolchain still runs (slower).
+to their torch paths, so a machine without a toolchain still runs (slower). FREIGHT_CPU_KERNELS=prebuilt
+loads what an earlier build made and never compiles (kernels/_prebuilt.py): a test's subprocess runs so.
+
+What a build depends on is the source, the flags below and the toolchain, never the caller's environment:
+torch rebuilds whenever the build.ninja it writes, or the ninja that reads its log, differs from the last
+build's, so a caller that saw another PATH would recompile for minutes (a test's subprocess once did,
+under its timeout). Hence one ninja and no compiler wrapper, whatever PATH holds (_pinned_toolchain).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO
 
+from kernels._prebuilt import PREBUILT, NotPrebuilt, load_prebuilt
 from kernels.platform import active_tier
 
 log = logging.getLogger(__name__)
@@ -90,19 +97,29 @@ def _acquire(lock_file: IO[str], module_name: str, wait_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _pinned_ninja() -> Iterator[None]:
+def _pinned_toolchain() -> Iterator[None]:
     """torch runs whichever `ninja` PATH finds first. Ninja versions keep different build logs, and one that
     reads another's log discards it and rebuilds everything (minutes per kernel): a build started from the
     venv's `freight` (venv bin first on PATH) and one from plain `python` (the system's ninja) would rebuild
-    each other's. So every build runs the ninja of the `ninja` package, a dependency, whatever PATH says."""
+    each other's. So every build runs the ninja of the `ninja` package, a dependency, whatever PATH says.
+    Likewise torch puts ccache or sccache in front of the compiler when PATH has one, which changes the
+    compile command in build.ninja and so rebuilds: no wrapper, for every caller."""
     import ninja
 
-    before = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before])
+    pinned = {
+        "PATH": os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")]),
+        "TORCH_NO_COMPILER_WRAPPER": "1",
+    }
+    before = {name: os.environ.get(name) for name in pinned}
+    os.environ.update(pinned)
     try:
         yield
     finally:
-        os.environ["PATH"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | None:
@@ -111,21 +128,29 @@ def build_extension(name: str, source: str, *, fast_math: bool) -> ModuleType | 
     fast_math lets the compiler vectorize libm calls (expf) and reassociate sums; kernels that must
     match torch bit for bit (an exact division before rounding) are built without it.
     """
-    if os.environ.get("FREIGHT_CPU_KERNELS", "1") == "0":
+    mode = os.environ.get("FREIGHT_CPU_KERNELS", "1")
+    if mode == "0":
         return None
     tier = active_tier()
+    module_name = f"{name}_{tier}"
+    cflags = ["-O3", *tier_cflags(tier), "-fopenmp", *(["-ffast-math"] if fast_math else [])]
     try:
+        if mode == PREBUILT:
+            return load_prebuilt(module_name, CSRC / source, cflags)
         from torch.utils.cpp_extension import load
 
-        with _build_lock(f"{name}_{tier}"), _pinned_ninja():
+        with _build_lock(module_name), _pinned_toolchain():
             return load(
-                name=f"{name}_{tier}",
+                name=module_name,
                 sources=[str(CSRC / source)],
-                extra_cflags=["-O3", *tier_cflags(tier), "-fopenmp", *(["-ffast-math"] if fast_math else [])],
+                extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(CSRC)],
                 verbose=False,
             )
+    except NotPrebuilt as exc:
+        log.warning("CPU kernel %s (%s tier) not loaded, FREIGHT_CPU_KERNELS=prebuilt: %s", name, tier, exc)
+        return None
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
         log.warning("CPU kernel %s (%s tier) unavailable (%s); using the torch path", name, tier, exc)
         return None

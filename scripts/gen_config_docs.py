@@ -49,7 +49,7 @@ because they must work without Freight's settings (the engine is self-contained)
 | variable | default | description |
 |---|---|---|
 | `FREIGHT_CPU_ISA` | the machine's own tier | `avx2` or `generic` forces a lower ISA tier: its kernels, and torch, oneDNN and MKL through `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and `MKL_ENABLE_INSTRUCTIONS` ([Kernels and CPU tiers](kernels.md#forcing-a-tier)). |
-| `FREIGHT_CPU_KERNELS` | `1` | `0` keeps the torch paths instead of the compiled C++ kernels. |
+| `FREIGHT_CPU_KERNELS` | `1` | `0` keeps the torch paths instead of the compiled C++ kernels; `prebuilt` loads the kernels an earlier build made and never compiles (a kernel not built, or older than its source, takes the torch path). |
 | `FREIGHT_CPU_AMX` | `1` | `0` keeps the kernels off the AMX tiles (so does an `ONEDNN_MAX_CPU_ISA` below AMX). |
 
 `FLOWER_UNAUTHENTICATED_API=true` is Flower's own switch for its HTTP API without authentication: for

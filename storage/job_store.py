@@ -114,25 +114,6 @@ def _add_events(session: Session, job_id: str, entered: list[tuple[JobStatus, da
     session.flush()
 
 
-def queue_job(session: Session, job_id: str, num_rows: int, shards: list[list[int]]) -> bool:
-    """Record the shards and move validating -> queued in one transaction."""
-    session.add_all(
-        Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
-    )
-    moved = move(
-        session,
-        job_id,
-        to=JobStatus.QUEUED,
-        extra={"num_rows": num_rows, "num_shards": len(shards)},
-        commit=False,
-    )
-    if not moved:
-        session.rollback()
-        return False
-    session.commit()
-    return True
-
-
 def delete_job(session: Session, job_id: str) -> None:
     """The job's rows: its results, shards, events, the job, and the OpenAI batch made with it."""
     for table in (ResultRow, Shard, JobEvent, OpenAIBatch):
@@ -226,8 +207,8 @@ def note_error(session: Session, *, job_id: str, error: str, commit: bool = True
         session.commit()
 
 
-def request_cancel(session: Session, job_id: str) -> bool:
-    return move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True})
+def request_cancel(session: Session, job_id: str, *, commit: bool = True) -> bool:
+    return move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True}, commit=commit)
 
 
 def job_status(session: Session, job_id: str) -> str | None:
@@ -243,11 +224,6 @@ def request_counts(session: Session, job_id: str, total: int) -> dict[str, int]:
     by_reason = finish_reason_counts(session, job_id=job_id)
     completed = sum(by_reason.get(reason, 0) for reason in COMPLETED_FINISH_REASONS)
     return {"total": total, "completed": completed, "failed": by_reason.get(FinishReason.ERROR, 0)}
-
-
-def set_metrics(session: Session, job_id: str, metrics: dict[str, Any]) -> None:
-    session.execute(update(Job).where(Job.id == job_id).values(metrics=metrics))
-    session.commit()
 
 
 def seconds_between(start: datetime | None, end: datetime | None) -> float:

@@ -1,5 +1,5 @@
 """SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events,
-the files and batches of the OpenAI-compatible API, and the model registry."""
+the files and batches of the OpenAI-compatible API, the model registry and the throughput profiles."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -216,3 +217,32 @@ class RegisteredModel(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)  # the loader's refusal
     recorded_by: Mapped[str] = mapped_column(String(200))  # host:pid of the worker
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ThroughputProfile(Base):
+    """What the shards of one model have cost on one class of worker, summed over every shard that
+    finished (storage/profile_store.py): the measured throughput a quote prices a job with
+    (jobs/domain/quote.py). Sums rather than rates, so each finished shard adds to them in one
+    statement and the rates can be fitted again from the sums alone."""
+
+    __tablename__ = "throughput_profiles"
+
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    # The engine's tier (avx512, amx, cuda, ...) unless FREIGHT_WORKER_CLASS names the worker's class.
+    worker_class: Mapped[str] = mapped_column(String(200), primary_key=True)
+    shards: Mapped[int] = mapped_column(BigInteger, default=0)
+    rows: Mapped[int] = mapped_column(BigInteger, default=0)  # rows the engine ran
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    busy_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    # Least-squares sums over shards (p: prompt tokens, o: output tokens, s: busy seconds), for
+    # s = a p + b o: the seconds per prompt token and per output token, fitted from these alone.
+    sum_pp: Mapped[float] = mapped_column(Float, default=0.0)
+    sum_po: Mapped[float] = mapped_column(Float, default=0.0)
+    sum_oo: Mapped[float] = mapped_column(Float, default=0.0)
+    sum_ps: Mapped[float] = mapped_column(Float, default=0.0)
+    sum_os: Mapped[float] = mapped_column(Float, default=0.0)
+    # Generate shards only: their output tokens and rows x max_tokens (how much of the cap rows use).
+    capped_output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    capped_max_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -7,10 +7,11 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import OpenAIBatch, OpenAIFile
+from storage.models import Job, OpenAIBatch, OpenAIFile
+from storage.status import FINAL_JOB_STATUSES
 
 
 def new_file_id() -> str:
@@ -135,6 +136,32 @@ def list_batches(
     return rows[:limit], len(rows) > limit
 
 
+def batch_of_job(session: Session, job_id: str) -> OpenAIBatch | None:
+    """The batch made with the job, if it was made for one."""
+    return session.scalars(select(OpenAIBatch).where(OpenAIBatch.job_id == job_id)).one_or_none()
+
+
+def batches_awaiting_files(session: Session, *, settled_before: datetime) -> list[OpenAIBatch]:
+    """Batches of every tenant whose output and error files are due but not recorded: their job became
+    final before `settled_before`, or they have no job and were created before it."""
+    final_jobs = select(Job.id).where(
+        Job.status.in_(sorted(FINAL_JOB_STATUSES)), Job.finished_at < settled_before
+    )
+    return list(
+        session.scalars(
+            select(OpenAIBatch)
+            .where(
+                OpenAIBatch.outputs_ready.is_(False),
+                or_(
+                    OpenAIBatch.job_id.in_(final_jobs),
+                    and_(OpenAIBatch.job_id.is_(None), OpenAIBatch.created_at < settled_before),
+                ),
+            )
+            .order_by(OpenAIBatch.seq)
+        )
+    )
+
+
 def batches_past_window(session: Session, *, now: datetime) -> list[OpenAIBatch]:
     """Batches of every tenant whose window has passed and that are not yet noted as expired."""
     return list(
@@ -149,7 +176,8 @@ def batches_past_window(session: Session, *, now: datetime) -> list[OpenAIBatch]
 
 
 def mark_expired(session: Session, batch_id: str, at: datetime) -> bool:
-    """Note that the batch passed its window (once: True for the one caller that noted it)."""
+    """Note that the batch passed its window (once: True for the one caller that noted it). Commits, with
+    whatever the caller's transaction holds (its job's cancel: both or neither)."""
     result = session.execute(
         update(OpenAIBatch)
         .where(OpenAIBatch.id == batch_id, OpenAIBatch.expired_at.is_(None))

@@ -21,8 +21,9 @@ from kernels.platform import tier_line
 from worker.engine.loader import pull_model
 
 # Service fixtures (a Postgres database and a Redis namespace per session, real `freight api` / `freight
-# worker` processes) for every test folder that needs them, without each conftest importing them.
-pytest_plugins = ["tests.service.fixtures"]
+# worker` processes) and the S3 server (SeaweedFS, started on first use) for every test folder that needs
+# them, without each conftest importing them.
+pytest_plugins = ["tests.service.fixtures", "tests.s3_server"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_ALIAS = "smollm2-135m"

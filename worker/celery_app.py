@@ -10,8 +10,7 @@ import socket
 from celery import Celery, signals
 
 from jobs.domain.broker import celery_config, queue_for_model
-from jobs.domain.settings import Settings
-from storage.blobs import BlobStore
+from jobs.domain.settings import Settings, blob_store
 from storage.db import make_engine, make_session_factory
 from worker.llm_pool import LLMPool
 from worker.model_registry import ModelRegistry, UnservableModel
@@ -29,7 +28,7 @@ def make_worker_app(settings: Settings, model: str) -> tuple[Celery, LLMPool]:
     ctx = WorkerContext(
         settings=settings,
         sessions=make_session_factory(make_engine(settings.resolved_database_url)),
-        blobs=BlobStore(settings.resolved_data_dir),
+        blobs=blob_store(settings),
     )
     pool = LLMPool(settings, ModelRegistry(ctx.sessions))
     # SIGTERM: running shards hand back their unfinished rows instead of holding shutdown up.

@@ -17,6 +17,8 @@ from storage.blobs import BlobStore, results_name
 from storage.db import make_engine, make_session_factory, upgrade
 from storage.status import JobStatus
 
+CHUNK_BYTES = 1 << 20
+
 
 @dataclass
 class EmbeddedResult:
@@ -46,7 +48,8 @@ def run_embedded(
     from worker.llm_pool import LLMPool
     from worker.model_registry import ModelRegistry
     from worker.retry import RetryPolicy, ShardRetry
-    from worker.shard_runner import WorkerContext, ready_to_finalize, run_shard
+    from worker.shard.context import WorkerContext
+    from worker.shard.executor import ready_to_finalize, run_shard
 
     if not isinstance(params, JobParams):
         params = job_params(params)  # a params dict: the API's check and error (InputError)
@@ -56,6 +59,7 @@ def run_embedded(
     engine = make_engine(url)
     try:
         sessions = make_session_factory(engine)
+        # Nothing but a folder, whatever FREIGHT_STORAGE_URL says (as SQLite whatever FREIGHT_DATABASE_URL).
         blobs = BlobStore(settings.resolved_data_dir)
         service = JobService(settings, sessions, blobs, dispatcher=None, allow_any_model=True)
         pool = LLMPool(settings, ModelRegistry(sessions))
@@ -84,7 +88,8 @@ def run_embedded(
         metrics = service.metrics(LOCAL_TENANT, job.id)
         if final.status == JobStatus.COMPLETED:
             output_path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(blobs.path(results_name(job.id)), output_path)
+            with blobs.open_input(results_name(job.id)) as source, open(output_path, "wb") as sink:
+                shutil.copyfileobj(source, sink, CHUNK_BYTES)
         return EmbeddedResult(job.id, final.status, metrics, output_path)
     finally:
         engine.dispose()

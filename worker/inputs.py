@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
+
+from storage.arrow_path import ParquetSource, parquet_file
 
 
-def read_rows(path: Path, row_indices: list[int], columns: list[str]) -> dict[int, dict[str, Any]]:
-    """{row_index: {column: value}} for the given rows, touching only the row groups that hold them."""
-    parquet = pq.ParquetFile(path)
+def read_rows(source: ParquetSource, row_indices: list[int], columns: list[str]) -> dict[int, dict[str, Any]]:
+    """{row_index: {column: value}} for the given rows, touching only the row groups that hold them
+    (on S3: ranged reads of the footer and of those row groups)."""
+    parquet = parquet_file(source)
     metadata = parquet.metadata
     group_starts = np.cumsum([0] + [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
     wanted = np.sort(np.asarray(row_indices, dtype=np.int64))

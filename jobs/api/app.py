@@ -20,8 +20,10 @@ from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from jobs.api.auth import Service, Tenant
+from jobs.api.downloads import file_response
 from jobs.api.edge import BodyTimeout, InternalErrors, check_query_text, parse_json_input
 from jobs.api.multipart import FormSpec, file_part, form_dependency
 from jobs.api.openai_batch import openai_batch_router
@@ -32,11 +34,11 @@ from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
 from jobs.domain.grammar_check import GrammarChecker
 from jobs.domain.json_limits import JsonLimits
+from jobs.domain.quote import JobQuote, QuoteService
 from jobs.domain.recovery import start_recovery
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
-from jobs.domain.settings import Settings
-from storage.blobs import BlobStore
+from jobs.domain.settings import Settings, blob_store
 from storage.db import make_engine, make_session_factory
 from storage.status import JobStatus
 
@@ -58,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.dispatcher = dispatcher
         grammar = GrammarChecker() if settings.grammar_check else None
         app.state.service = JobService(
-            settings, make_session_factory(engine), BlobStore(settings.resolved_data_dir), dispatcher,
+            settings, make_session_factory(engine), blob_store(settings), dispatcher,
             grammar=grammar,
         )  # fmt: skip
         recovery = None
@@ -217,15 +219,26 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
             {"status": "ready" if ready else "not ready", **checks}, status_code=200 if ready else 503
         )
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobObject, tags=["jobs"], openapi_extra=SUBMIT_BODY)
-    def submit_job(request: Request, tenant: Tenant, service: Service, form: JobForm) -> JobObject:
-        file, params = file_part(form, "file"), form.get("params")
+    def check_length(request: Request) -> None:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_upload_bytes + 1024 * 1024:
             raise InputError(
                 f"upload is larger than the limit of {settings.max_upload_mb} MB", status_code=413
             )
+
+    @app.post("/v1/jobs", status_code=201, response_model=JobObject, tags=["jobs"], openapi_extra=SUBMIT_BODY)
+    def submit_job(request: Request, tenant: Tenant, service: Service, form: JobForm) -> JobObject:
+        file, params = file_part(form, "file"), form.get("params")
+        check_length(request)
         return service.submit(tenant, file.file, _parse_params(params, settings.json_limits))
+
+    @app.post("/v1/jobs/quote", response_model=JobQuote, tags=["jobs"], openapi_extra=SUBMIT_BODY)
+    def quote_job(request: Request, _tenant: Tenant, service: Service, form: JobForm) -> JobQuote:
+        """What the job would cost and when it would finish: the body of a submission, the submission's
+        checks (the same 4xx), and nothing stored or queued."""
+        file, params = file_part(form, "file"), form.get("params")
+        check_length(request)
+        return QuoteService(service).quote(file.file, _parse_params(params, settings.json_limits))
 
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(
@@ -252,11 +265,11 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         return service.cancel(tenant, job_id)
 
     @app.get("/v1/jobs/{job_id}/results", tags=["jobs"], response_class=FileResponse)
-    def job_results(tenant: Tenant, service: Service, job_id: JobId) -> FileResponse:
+    def job_results(tenant: Tenant, service: Service, job_id: JobId) -> Response:
         handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-partial-")
         os.close(handle)
         try:
-            path, final = service.results_path(tenant, job_id, Path(scratch))
+            where, final = service.results_source(tenant, job_id, Path(scratch))
         except BaseException:
             os.unlink(scratch)
             raise
@@ -264,8 +277,8 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         if final:
             os.unlink(scratch)
             cleanup = None
-        return FileResponse(
-            path,
+        return file_response(
+            where,
             media_type=PARQUET_MEDIA_TYPE,
             filename=f"{job_id}-results.parquet",
             headers={"X-Freight-Results": "final" if final else "partial"},

@@ -14,8 +14,10 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
+from starlette.responses import Response
 
 from jobs.api.auth import Tenant
+from jobs.api.downloads import file_response
 from jobs.api.edge import parse_json_input
 from jobs.api.multipart import FormSpec, file_part, form_dependency
 from jobs.domain.errors import InputError, NotFound, clip, clip_repr
@@ -143,8 +145,8 @@ def openai_batch_router() -> APIRouter:
         return batches.get_file(tenant, file_id)
 
     @router.get("/files/{file_id}/content", response_class=FileResponse)
-    def file_content(tenant: Tenant, batches: Batches, file_id: FileId) -> FileResponse:
-        return FileResponse(batches.file_path(tenant, file_id), media_type=JSONL_MEDIA_TYPE)
+    def file_content(tenant: Tenant, batches: Batches, file_id: FileId) -> Response:
+        return file_response(batches.file_source(tenant, file_id), media_type=JSONL_MEDIA_TYPE)
 
     @router.delete("/files/{file_id}")
     def delete_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:

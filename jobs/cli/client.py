@@ -44,6 +44,29 @@ def _error_detail(response: httpx.Response) -> Any:
     return body.get("error", body) if isinstance(body, dict) else body
 
 
+def _job_body(
+    file: str | Path | bytes | pa.Table, params: JobParams | dict[str, Any] | None, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """The multipart body of a submission (and of a quote): the Parquet file and the params JSON."""
+    if isinstance(params, JobParams):
+        payload = params.model_dump(exclude_unset=True)
+    else:
+        payload = dict(params or {})
+    payload.update(fields)
+    if isinstance(file, pa.Table):
+        sink = io.BytesIO()
+        pq.write_table(file, sink)
+        content, name = sink.getvalue(), "input.parquet"
+    elif isinstance(file, bytes):
+        content, name = file, "input.parquet"
+    else:
+        content, name = Path(file).read_bytes(), Path(file).name
+    return {
+        "files": {"file": (name, content, "application/vnd.apache.parquet")},
+        "data": {"params": json.dumps(payload)},
+    }
+
+
 class FreightClient:
     def __init__(
         self,
@@ -86,26 +109,17 @@ class FreightClient:
         **param_fields: Any,
     ) -> dict[str, Any]:
         """Upload a Parquet file (path, bytes or an Arrow table) with job params; returns the job."""
-        if isinstance(params, JobParams):
-            payload = params.model_dump(exclude_unset=True)
-        else:
-            payload = dict(params or {})
-        payload.update(param_fields)
-        if isinstance(file, pa.Table):
-            sink = io.BytesIO()
-            pq.write_table(file, sink)
-            content, name = sink.getvalue(), "input.parquet"
-        elif isinstance(file, bytes):
-            content, name = file, "input.parquet"
-        else:
-            content, name = Path(file).read_bytes(), Path(file).name
-        response = self._request(
-            "POST",
-            "/v1/jobs",
-            files={"file": (name, content, "application/vnd.apache.parquet")},
-            data={"params": json.dumps(payload)},
-        )
-        return response.json()
+        return self._request("POST", "/v1/jobs", **_job_body(file, params, param_fields)).json()
+
+    def quote(
+        self,
+        file: str | Path | bytes | pa.Table,
+        params: JobParams | dict[str, Any] | None = None,
+        **param_fields: Any,
+    ) -> dict[str, Any]:
+        """What `submit` with the same arguments would cost and when it would finish (POST
+        /v1/jobs/quote): the same checks, nothing stored or queued. Returns the quote (JobQuote's fields)."""
+        return self._request("POST", "/v1/jobs/quote", **_job_body(file, params, param_fields)).json()
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}").json()

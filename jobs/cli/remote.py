@@ -34,6 +34,10 @@ def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Calla
     submit.add_argument("-o", "--output", help="with --wait: download the results here")
     add_job_param_args(submit)
 
+    quote = remote("quote", "price a job before submitting it: tokens, device-seconds, cost, ETA", cmd_quote)
+    quote.add_argument("file")
+    add_job_param_args(quote)
+
     status = remote("status", "show a job", cmd_status)
     status.add_argument("job_id")
 
@@ -93,6 +97,30 @@ def cmd_submit(args: argparse.Namespace) -> int:
             _call(lambda: client.download_results(job["id"], Path(args.output)))
             print(f"results: {args.output}", file=sys.stderr)
         return 0 if job["status"] == "completed" else 1
+
+
+def cmd_quote(args: argparse.Namespace) -> int:
+    """The quote as JSON on stdout; a one-line summary on stderr (stdout stays JSON)."""
+    params = params_dict_from_args(args)
+    with _client(args) as client:
+        quote = _call(lambda: client.quote(args.file, params))
+    _print_json(quote)
+    print(quote_line(quote), file=sys.stderr)
+    return 0
+
+
+def quote_line(quote: dict[str, Any]) -> str:
+    tokens = "" if quote["prompt_tokens_exact"] else "~"
+    line = (
+        f"{quote['rows']} rows, {tokens}{quote['prompt_tokens']} prompt tokens, "
+        f"{quote['output_tokens_expected']} output tokens expected"
+    )
+    if quote["device_seconds"] is None:
+        return f"{line}; not priced: {quote['device_seconds_unknown_reason']}"
+    return (
+        f"{line}; {quote['device_seconds']:.1f} device-seconds, ${quote['cost_usd']:.6f}, "
+        f"ETA {quote['eta_seconds']:.0f} s on {quote['queue']['workers']} worker(s)"
+    )
 
 
 def wait_with_progress(client: FreightClient, job_id: str) -> dict[str, Any]:

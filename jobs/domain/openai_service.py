@@ -6,31 +6,23 @@ One source of truth: a batch's status and timestamps are read from its job (stat
 storage/status.py JOB_TRANSITIONS); the batch row holds only what the job does not (endpoint, input
 file, window, metadata, refused lines, output and error files, when it expired).
 
-Output and error files are written once, on the first read of the batch (retrieve or list) after its
-job reaches a final status: the API needs no hook in the worker's finalize, and a batch nobody reads
-costs nothing. Two readers at once may both write them; one conditional update picks the files that
-count and the other's are deleted.
-
-Expiry is checked on the same reads and by the API's recovery sweep (recovery.py), so a batch
-nobody reads expires too: a batch past its `expires_at` whose job still runs is cancelled (the job's
-own cancel: finished rows are kept, the rest are never run) and noted as expired; it shows `expired`
-once the job is final, its unrun rows in the error file as `batch_expired`.
+Reads (retrieve, list) never write. The output and error files are written when the job becomes final,
+by the worker or the recovery sweep (batch_files.py). Expiry is the recovery sweep's too (recovery.py,
+expire_if_due below): a batch past its `expires_at` whose job still runs is cancelled (the job's own
+cancel: finished rows are kept, the rest are never run) and noted as expired in the same transaction;
+it shows `expired` once the job is final, its unrun rows in the error file as `batch_expired`.
 """
 
 from __future__ import annotations
 
 import io
-import os
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any, BinaryIO
 
-import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
+from jobs.domain.batch_files import BatchFiles, shown_status
 from jobs.domain.errors import Conflict, InputError, NotFound, clip_repr
 from jobs.domain.openai_batch import (
     COMPLETION_WINDOWS,
@@ -38,24 +30,19 @@ from jobs.domain.openai_batch import (
     MAX_NAMED_LINE_ERRORS,
     LineError,
     ParsedBatch,
-    error_line,
-    jsonl,
-    output_line,
     parse_batch_file,
 )
 from jobs.domain.schemas import job_params
 from jobs.domain.service import JobService
 from jobs.domain.text_rule import repaired, text_problem
 from storage import job_store, openai_store
+from storage.arrow_path import ArrowPath
 from storage.blobs import UploadTooLarge
-from storage.models import Job, OpenAIBatch, OpenAIFile, as_utc, utcnow
-from storage.status import CANCELLABLE_JOB_STATUSES, COMPLETED_FINISH_REASONS, FinishReason, JobStatus
+from storage.models import OpenAIBatch, OpenAIFile, as_utc, utcnow
+from storage.status import CANCELLABLE_JOB_STATUSES, JobStatus
 
 INPUT_PURPOSE = "batch"
-OUTPUT_PURPOSE = "batch_output"
 MAX_FILENAME_CHARS = 1024
-RESULT_BATCH_ROWS = 4096
-FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 Errors = list[dict[str, Any]] | None  # why a batch failed (its `errors`), None for a batch with a job
 # Adds the batch row (job id, refused lines, errors) to the session's transaction, not committing it.
 StoreBatch = Callable[[Session, str | None, list[LineError], Errors], None]
@@ -79,25 +66,13 @@ def file_object(row: OpenAIFile) -> dict[str, Any]:
     }
 
 
-def batch_status(job_status: str | None, expired: bool) -> str:
-    """The batch's status from its job's (None: the batch failed before it had a job)."""
-    if job_status is None:
-        return "failed"
-    status = JobStatus(job_status)
-    if expired and status != JobStatus.FAILED:
-        # Cancelled for its window: finishing what runs, then expired (keeping what finished).
-        return "expired" if status in (JobStatus.CANCELLED, JobStatus.COMPLETED) else "finalizing"
-    if status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
-        return "in_progress"
-    return status.value  # finalizing, completed, failed, cancelling, cancelled: the same words
-
-
 class BatchService:
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
         self.sessions = jobs.sessions
         self.blobs = jobs.blobs
         self.settings = jobs.settings
+        self.files = BatchFiles(jobs)
 
     # ---- files ---------------------------------------------------------------------------------
 
@@ -145,9 +120,9 @@ class BatchService:
         with self.sessions() as session:
             return file_object(self._file(session, tenant, file_id))
 
-    def file_path(self, tenant: str, file_id: str) -> Path:
+    def file_source(self, tenant: str, file_id: str) -> ArrowPath:
         with self.sessions() as session:
-            return self.blobs.path(self._file(session, tenant, file_id).blob_name)
+            return self.blobs.arrow(self._file(session, tenant, file_id).blob_name)
 
     def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> dict[str, Any]:
         with self.sessions() as session:
@@ -195,7 +170,9 @@ class BatchService:
                     f"file {input_file_id} has purpose {source.purpose!r}; a batch reads a {INPUT_PURPOSE!r} file",
                     field="input_file_id",
                 )
-            data = self.blobs.path(source.blob_name).read_bytes()
+            # Read whole, as before this store could be S3: the JSONL conversion takes bytes (openai_batch.py).
+            with self.blobs.open_input(source.blob_name) as stream:
+                data = stream.read()
         created_at = utcnow()
         batch_id = openai_store.new_batch_id()
 
@@ -217,10 +194,11 @@ class BatchService:
             )
 
         failed = self._submit(tenant, data, endpoint, store)
-        if failed is not None:  # no job: the failed batch's row alone
+        if failed is not None:  # no job: the failed batch's row alone, final at once, with its error file
             with self.sessions() as session:
                 store(session, None, *failed)
                 session.commit()
+                self.files.write(session, self._batch(session, tenant, batch_id), None)
         return self.get(tenant, batch_id)
 
     def _submit(
@@ -290,14 +268,10 @@ class BatchService:
     # ---- the batch object ----------------------------------------------------------------------
 
     def _view(self, session: Session, tenant: str, row: OpenAIBatch) -> dict[str, Any]:
+        """The batch object, read only: nothing here writes (files and expiry are the worker's and the
+        recovery sweep's)."""
         job = job_store.get_job(session, row.job_id, tenant=tenant) if row.job_id else None
-        if job is not None:
-            self._expire_if_due(session, row, job.status)
-            session.refresh(job)
-        status = batch_status(job.status if job else None, row.expired_at is not None)
-        if status in FINAL_BATCH_STATUSES and not row.outputs_ready:
-            self._write_outputs(session, tenant, row, job, status)
-            session.refresh(row)
+        status = shown_status(row, job.status if job else None)
         entered: dict[str, datetime] = {}
         if job is not None:
             for event in job_store.events(session, job.id):
@@ -345,119 +319,6 @@ class BatchService:
             "errors": {"object": "list", "data": repaired(row.errors)} if row.errors else None,
         }
 
-    def _expire_if_due(self, session: Session, row: OpenAIBatch, job_status: str) -> None:
-        if expire_if_due(session, row, job_status, utcnow()):
-            session.refresh(row)
-
-    # ---- output and error files ----------------------------------------------------------------
-
-    def _write_outputs(
-        self, session: Session, tenant: str, row: OpenAIBatch, job: Job | None, status: str
-    ) -> None:
-        """Write the output file (answered rows) and the error file (refused lines, failed rows, rows
-        cancelled or expired), streaming the job's results, and record them unless another reader
-        recorded its own first. A file with no line is not made (its id stays null)."""
-        written: dict[str, tuple[str, str, int]] = {}  # kind -> (file id, blob name, bytes)
-        with ExitStack() as stack:
-            sinks = {}
-            counts = {"output": 0, "error": 0}
-            for kind in ("output", "error"):
-                file_id = openai_store.new_file_id()
-                name = openai_store.file_blob_name(file_id)
-                temp = stack.enter_context(self.blobs.atomic_path(name))
-                sinks[kind] = stack.enter_context(open(temp, "wb"))
-                written[kind] = (file_id, name, 0)
-            for kind, line in self._lines(tenant, row, job, status):
-                sinks[kind].write(jsonl([line]))
-                counts[kind] += 1
-            for kind, sink in sinks.items():
-                file_id, name, _ = written[kind]
-                written[kind] = (file_id, name, sink.tell())
-        for kind in ("output", "error"):
-            if not counts[kind]:
-                self.blobs.delete(written.pop(kind)[1])
-        files = [
-            {
-                "file_id": file_id,
-                "tenant": tenant,
-                "purpose": OUTPUT_PURPOSE,
-                "filename": f"{row.id}_{kind}.jsonl",
-                "size": size,
-                "blob_name": name,
-            }
-            for kind, (file_id, name, size) in written.items()
-        ]
-        ids = {
-            f"{kind}_file_id": written[kind][0] if kind in written else None for kind in ("output", "error")
-        }
-        if not openai_store.set_outputs(session, row.id, files, **ids):
-            for file in files:  # another reader recorded its files first
-                self.blobs.delete(file["blob_name"])
-
-    def _lines(
-        self, tenant: str, row: OpenAIBatch, job: Job | None, status: str
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """("output" | "error", line) for every request of the batch: refused lines first, then the
-        job's rows in row order."""
-        for error in map(LineError.from_dict, row.line_errors):
-            yield (
-                "error",
-                error_line(
-                    batch_id=row.id,
-                    key=f"line{error.line}",
-                    custom_id=error.custom_id,
-                    code=error.code,
-                    message=error.message,
-                    status_code=400,
-                ),
-            )
-        if job is None:
-            return
-        cancelled_code = "batch_expired" if status == "expired" else "batch_cancelled"
-        created = _ts(job.finished_at) or _ts(utcnow())
-        for record in self._results(tenant, job.id):
-            if record["finish_reason"] in COMPLETED_FINISH_REASONS:
-                yield (
-                    "output",
-                    output_line(
-                        batch_id=row.id,
-                        row_index=record["row_index"],
-                        custom_id=record["custom_id"],
-                        endpoint=row.endpoint,
-                        model=job.model,
-                        created=created,
-                        text=record["output_text"],
-                        finish_reason=record["finish_reason"],
-                        prompt_tokens=record["prompt_tokens"],
-                        output_tokens=record["output_tokens"],
-                    ),
-                )
-                continue
-            cancelled = record["finish_reason"] == FinishReason.CANCELLED
-            yield (
-                "error",
-                error_line(
-                    batch_id=row.id,
-                    key=str(record["row_index"]),
-                    custom_id=record["custom_id"],
-                    code=cancelled_code if cancelled else "request_failed",
-                    message=record["error"] or "the request failed",
-                    status_code=None,
-                ),
-            )
-
-    def _results(self, tenant: str, job_id: str) -> Iterator[dict[str, Any]]:
-        """The job's result rows in row order, a Parquet batch at a time: its final results file
-        (every row), or, for a job that failed before writing one, the rows stored."""
-        handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-batch-")
-        os.close(handle)
-        try:
-            path, _final = self.jobs.results_path(tenant, job_id, Path(scratch))
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=RESULT_BATCH_ROWS):
-                yield from batch.to_pylist()
-        finally:
-            os.unlink(scratch)
-
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {
@@ -471,10 +332,12 @@ def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 def expire_if_due(session: Session, row: OpenAIBatch, job_status: str, now: datetime) -> bool:
     """A batch past its window whose job still runs: cancel the job (finished rows are kept) and note
-    the expiry. Called on every read of a batch and by the API's recovery sweep, so a batch nobody reads
-    expires too. True when this call expired it."""
+    the expiry. The API's recovery sweep calls it (a read does not: reads never write). True when this
+    call expired it."""
     if row.expired_at is not None or row.job_id is None or now < as_utc(row.expires_at):
         return False
-    if job_status in CANCELLABLE_JOB_STATUSES and job_store.request_cancel(session, row.job_id):
+    # The cancel and the note in one transaction: the worker that finalizes the cancelled job writes the
+    # batch's files, and must see why it was cancelled (batch_expired, not batch_cancelled).
+    if job_status in CANCELLABLE_JOB_STATUSES and job_store.request_cancel(session, row.job_id, commit=False):
         return openai_store.mark_expired(session, row.id, now)
     return False

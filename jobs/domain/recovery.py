@@ -6,7 +6,9 @@ messages on two sweeps in a row, gets its task sent again; likewise a job stuck 
 A duplicate message is harmless: the shard's lease and its stored rows make a second run a no-op.
 Only jobs whose input file is in this API's data folder are swept (a deployment's own jobs).
 Jobs stuck in `validating` (an API that died mid-upload) are deleted with their files, and so are
-staged uploads (storage/blobs.py staging_name) older than an hour."""
+staged uploads (storage/blobs.py staging_name) older than an hour. OpenAI batches past their window are
+expired, and a final batch whose output and error files were not written (its worker died after the
+job's last move) gets them (jobs/domain/batch_files.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.domain.batch_files import BatchFiles
 from jobs.domain.broker import (
     TASK_FINALIZE_JOB,
     TASK_RUN_SHARD,
@@ -27,10 +30,11 @@ from jobs.domain.broker import (
     queue_for_model,
 )
 from jobs.domain.openai_service import expire_if_due
+from jobs.domain.service import JobService
 from jobs.domain.settings import Settings
 from storage import job_store, openai_store
 from storage.blobs import BlobStore
-from storage.models import Job, utcnow
+from storage.models import Job, OpenAIBatch, utcnow
 from storage.shard_store import idle_shards
 from storage.status import JobStatus
 
@@ -46,6 +50,7 @@ class SweepReport:
     finalize_resent: list[str] = field(default_factory=list)
     abandoned_deleted: list[str] = field(default_factory=list)
     batches_expired: list[str] = field(default_factory=list)  # OpenAI batches past their window
+    batch_files_written: list[str] = field(default_factory=list)  # final batches whose files were missing
 
 
 class Recovery:
@@ -62,6 +67,7 @@ class Recovery:
         self.sessions = sessions
         self.blobs = blobs
         self.dispatcher = dispatcher
+        self.batch_files = BatchFiles(JobService(settings, sessions, blobs, dispatcher=None))
         self.redis = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=5)
         self.suspects: set[WorkKey] = set()  # missing on the last sweep; re-sent if still missing
 
@@ -89,6 +95,7 @@ class Recovery:
             for name in self.blobs.stale("staging", ABANDONED_VALIDATION.total_seconds()):
                 self.blobs.delete(name)
             report.batches_expired = self._expire_batches(session, now)
+            report.batch_files_written = self._write_batch_files(session, now)
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):
                     continue  # another deployment's job (its files are elsewhere), or being deleted
@@ -128,6 +135,29 @@ class Recovery:
             if job is not None and expire_if_due(session, row, job.status, now):
                 expired.append(row.id)
         return expired
+
+    def _write_batch_files(self, session: Session, now) -> list[str]:
+        # A job that became final less than a sweep ago may have its worker writing the files right now.
+        settled = now - timedelta(seconds=self.settings.recovery_interval_seconds)
+        written = []
+        for row in openai_store.batches_awaiting_files(session, settled_before=settled):
+            job = job_store.get_job(session, row.job_id) if row.job_id is not None else None
+            if not self._ours(session, row, job):
+                continue
+            try:
+                if self.batch_files.write(session, row, job):
+                    written.append(row.id)
+            except Exception:  # one batch's trouble must not stop the sweep (nor the others' files)
+                session.rollback()
+                log.warning("could not write the files of batch %s", row.id, exc_info=True)
+        return written
+
+    def _ours(self, session: Session, row: OpenAIBatch, job: Job | None) -> bool:
+        """Whether this deployment's store holds the batch's input: its files are written here."""
+        if job is not None:
+            return self.blobs.exists(job.input_name)
+        source = openai_store.get_file(session, row.input_file_id, row.tenant)
+        return source is not None and self.blobs.exists(source.blob_name)
 
     def _abandoned_validations(self, session: Session, now) -> list[str]:
         jobs = job_store.validating_jobs(session, created_before=now - ABANDONED_VALIDATION)

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
+from storage.arrow_path import ParquetSource, parquet_file
 from storage.models import Job
 from storage.result_record import RESULT_ARROW_TYPES, RESULT_COLUMNS, ResultRecord
 from storage.result_store import iter_results, results_between
@@ -30,9 +31,9 @@ def write_partial_results(session: Session, job_id: str, out_path: Path) -> int:
     return written
 
 
-def write_final_results(session: Session, job: Job, input_path: Path, out_path: Path) -> int:
+def write_final_results(session: Session, job: Job, job_input: ParquetSource, out_path: Path) -> int:
     """Walk the input's custom_ids batch by batch and pair each row with its stored result."""
-    parquet = pq.ParquetFile(input_path)
+    parquet = parquet_file(job_input)
     has_custom_id = "custom_id" in parquet.schema_arrow.names
     missing_reason = FinishReason.CANCELLED if job.cancel_requested else FinishReason.ERROR
     missing_error = "cancelled before this row ran" if job.cancel_requested else "no result was recorded"

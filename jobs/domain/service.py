@@ -21,8 +21,9 @@ from jobs.domain.settings import Settings
 from jobs.domain.sharding import cut_shards
 from jobs.domain.summarize import check_summarize_file, task_fields
 from jobs.domain.text_rule import repaired
-from jobs.domain.validation import validate_parquet
+from jobs.domain.validation import ValidatedInput, validate_parquet
 from storage import job_store, model_store
+from storage.arrow_path import ArrowPath
 from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name, staging_name
 from storage.models import Job, utcnow
 from storage.shard_store import shard_indices
@@ -126,6 +127,22 @@ class JobService:
                 raise InputError(refused, field=resolved.structured.kind)
         return resolved.model_copy(update=by_task), served
 
+    def checked_params(
+        self, params: JobParams, grammar: GrammarRefusal | None
+    ) -> tuple[ResolvedParams, ServedModel]:
+        """The submission's checks of its params (model, context, constraints), for a quote too."""
+        return self._resolve(params, self.served, grammar)
+
+    def check_input(
+        self, where: ArrowPath, resolved: ResolvedParams, served: ServedModel, grammar: GrammarRefusal | None
+    ) -> tuple[ValidatedInput, list[list[int]]]:
+        """The submission's checks of its file, and the shards it is cut into. A quote runs the same
+        ones (jobs/domain/quote.py), so a file is refused by both or by neither, with the same answer."""
+        if resolved.summarize is not None:
+            check_summarize_file(where, resolved.summarize)
+        validated = validate_parquet(where, resolved, served.context_len, grammar)
+        return validated, cut_shards(validated.prompt_chars, self.settings.shard_size)
+
     def submit(
         self,
         tenant: str,
@@ -154,10 +171,7 @@ class JobService:
                 self.blobs.write_stream(staged, upload, self.settings.max_upload_bytes)
             except UploadTooLarge as exc:
                 raise InputError(str(exc), status_code=413) from exc
-            if resolved.summarize is not None:
-                check_summarize_file(self.blobs.path(staged), resolved.summarize)
-            validated = validate_parquet(self.blobs.path(staged), resolved, served.context_len, grammar)
-            shards = cut_shards(validated.prompt_chars, self.settings.shard_size)
+            validated, shards = self.check_input(self.blobs.arrow(staged), resolved, served, grammar)
             self.blobs.rename(staged, name)
             with self.sessions() as session:
                 job_store.create_queued_job(
@@ -210,8 +224,11 @@ class JobService:
                     job_store.delete_job(session, job_id)
             except Exception:
                 log.warning("could not delete the rows of job %s", job_id, exc_info=True)
-        self.blobs.delete(staging_name(job_id))
-        self.blobs.delete_job(job_id)
+        try:  # an object store may be what failed: its error must not hide the submission's own
+            self.blobs.delete(staging_name(job_id))
+            self.blobs.delete_job(job_id)
+        except Exception:
+            log.warning("could not delete the files of job %s", job_id, exc_info=True)
 
     def _job(self, session: Session, tenant: str, job_id: str) -> Job:
         job = job_store.get_job(session, job_id, tenant=tenant)
@@ -265,15 +282,16 @@ class JobService:
             session.refresh(job)
             return self.view(session, job)
 
-    def results_path(self, tenant: str, job_id: str, scratch: Path) -> tuple[Path, bool]:
-        """(path, is_final): the final results file, or the rows finished so far written to `scratch`."""
+    def results_source(self, tenant: str, job_id: str, scratch: Path) -> tuple[ArrowPath, bool]:
+        """(where, is_final): the final results file, or the rows finished so far written to the local
+        file `scratch`."""
         with self.sessions() as session:
             job = self._job(session, tenant, job_id)
             final_name = results_name(job_id)
             if job.status in FINAL_JOB_STATUSES and self.blobs.exists(final_name):
-                return self.blobs.path(final_name), True
+                return self.blobs.arrow(final_name), True
             write_partial_results(session, job_id, scratch)
-            return scratch, False
+            return ArrowPath.local(scratch), False
 
     def metrics(self, tenant: str, job_id: str) -> dict:
         with self.sessions() as session:

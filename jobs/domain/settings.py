@@ -11,6 +11,8 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from jobs.domain.json_limits import JsonLimits
+from storage.blobs import BlobStore
+from storage.storage_url import endpoint_parts, parse_storage_url
 
 
 def default_home() -> Path:
@@ -37,8 +39,21 @@ class Settings(BaseSettings):
     )
     data_dir: Path | None = Field(
         None,
-        description="Job files (inputs, results, metrics). Unset: `FREIGHT_HOME/data`. "
-        "The API and every worker must see the same directory.",
+        description="Job files (inputs, results, metrics) when `FREIGHT_STORAGE_URL` is unset; unset itself: "
+        "`FREIGHT_HOME/data`. With an S3 store it is only this host's scratch (writes spool here before "
+        "their upload), so each host may have its own. `freight run` always keeps its files here.",
+    )
+    storage_url: str | None = Field(
+        None,
+        description="Where job files live: `file:///path` (a folder the API and every worker see) or "
+        "`s3://bucket/prefix` (an S3-compatible bucket; credentials and region from the standard "
+        "`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`). "
+        "Unset: `file://` + `FREIGHT_DATA_DIR`, as before ([Job files](storage.md)).",
+    )
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="Endpoint of a non-AWS S3 service (MinIO, SeaweedFS, Ceph RGW, R2), `http(s)://host:port`. "
+        "Unset: AWS S3.",
     )
     shard_size: int = Field(
         1024,
@@ -179,6 +194,33 @@ class Settings(BaseSettings):
         200,
         description="Samples of tokens/s, batch size and KV use kept per shard (the job report's plots).",
     )
+    worker_class: str | None = Field(
+        None,
+        max_length=200,
+        description="This worker's class in the throughput profiles that quotes price jobs with (each finished "
+        "shard adds its measured tokens and seconds to its model's row for the class). Unset: the engine's "
+        "tier (`avx512`, `amx`, `cuda`, ...); set it where one tier covers different machines (two GPU kinds).",
+    )
+    quote_assumed_workers: int = Field(
+        1,
+        ge=1,
+        description="Workers a quote's ETA assumes for a model when no worker process has written a shard "
+        "attempt of that model within the last shard lease (Postgres sees busy workers only, not idle ones).",
+    )
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url_known(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_storage_url(value)  # a mistyped URL fails when the settings load, not at the first job
+        return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint_url_known(cls, value: str | None) -> str | None:
+        if value is not None:
+            endpoint_parts(value)
+        return value
 
     @field_validator("quantization", mode="before")
     @classmethod
@@ -198,6 +240,15 @@ class Settings(BaseSettings):
         return self.data_dir or self.home / "data"
 
     @property
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or self.resolved_data_dir.absolute().as_uri()
+
+    @property
+    def spool_dir(self) -> Path:
+        """This host's scratch for writes bound for an object store (storage/blobs.py)."""
+        return self.resolved_data_dir / "spool"
+
+    @property
     def models_dir(self) -> Path:
         return self.home / "models"
 
@@ -207,3 +258,10 @@ class Settings(BaseSettings):
 
     def accepted_models(self) -> list[str]:
         return list(dict.fromkeys([self.default_model, *self.models]))
+
+
+def blob_store(settings: Settings) -> BlobStore:
+    """The store of job files the settings name (FREIGHT_STORAGE_URL), for the API and the workers."""
+    return BlobStore.from_url(
+        settings.resolved_storage_url, endpoint_url=settings.s3_endpoint_url, spool_dir=settings.spool_dir
+    )

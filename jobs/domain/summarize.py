@@ -5,7 +5,6 @@ reduce requests."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from jobs.domain.errors import InputError
@@ -13,6 +12,7 @@ from jobs.domain.prompts import template_fields
 from jobs.domain.schemas import JobParams
 from jobs.domain.summarize_spec import DEFAULT_COLUMN, DEFAULT_STYLE, TEXT_PLACEHOLDER, SummarizeSpec
 from jobs.domain.validation import open_parquet
+from storage.arrow_path import ParquetSource
 
 SUMMARIZE_ONLY_FIELDS = ("column", "style", "long_documents", "id_column")
 
@@ -69,9 +69,9 @@ def task_fields(params: JobParams, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def check_summarize_file(path: Path, spec: SummarizeSpec) -> None:
+def check_summarize_file(source: ParquetSource, spec: SummarizeSpec) -> None:
     """The document column and a named id column must exist (their types are checked with the prompts)."""
-    names = open_parquet(path).schema_arrow.names
+    names = open_parquet(source).schema_arrow.names
     if spec.column not in names:
         raise InputError(
             f"column {spec.column!r} (the documents) is not in the file (columns: {names}); "

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from jobs.domain.summarize_spec import SummarizeSpec, output_id_column
+from storage.arrow_path import ParquetSource, parquet_file, read_schema
 from storage.models import Job
 from storage.status import COMPLETED_FINISH_REASONS
 from storage.summary_store import window_counts
@@ -23,8 +24,8 @@ class ColumnCursor:
     """Reads one column of a Parquet file front to back in slices of any size (the file's own
     batches follow its row groups, which need not line up with another file's)."""
 
-    def __init__(self, path: Path, column: str) -> None:
-        self.batches = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=[column])
+    def __init__(self, source: ParquetSource, column: str) -> None:
+        self.batches = parquet_file(source).iter_batches(batch_size=BATCH_ROWS, columns=[column])
         self.buffer: pa.Array | None = None
 
     def take(self, count: int) -> pa.Array:
@@ -39,9 +40,9 @@ class ColumnCursor:
         return pa.concat_arrays(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def add_summary_columns(session: Session, job: Job, input_path: Path, results_path: Path) -> None:
+def add_summary_columns(session: Session, job: Job, job_input: ParquetSource, results_path: Path) -> None:
     spec = SummarizeSpec(**job.params["summarize"])
-    input_schema = pq.read_schema(input_path)
+    input_schema = read_schema(job_input)
     id_column = output_id_column(input_schema.names, spec)
     results = pq.ParquetFile(results_path)
     schema = results.schema_arrow
@@ -49,7 +50,7 @@ def add_summary_columns(session: Session, job: Job, input_path: Path, results_pa
     if copy_id:
         schema = schema.insert(2, input_schema.field(id_column))
     schema = schema.append(pa.field("summary", pa.string())).append(pa.field("windows", pa.int32()))
-    ids = ColumnCursor(input_path, id_column) if copy_id else None
+    ids = ColumnCursor(job_input, id_column) if copy_id else None
     temp = results_path.with_name(results_path.name + ".summary")
     start = 0
     try:

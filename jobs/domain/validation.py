@@ -4,7 +4,6 @@ time, so memory stays bounded by the batch and one small integer per row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +16,7 @@ from jobs.domain.prompts import PromptSource, is_string_type, resolve_source
 from jobs.domain.schemas import MAX_SEED, MAX_TEMPERATURE, OVERRIDE_COLUMNS, ResolvedParams
 from jobs.domain.structured_spec import check_column_types, check_column_values
 from jobs.domain.text_rule import check_arrow_text
+from storage.arrow_path import ParquetSource, file_size, parquet_file
 
 BATCH_ROWS = 8192
 MAX_NAMED_DUPLICATES = 5
@@ -32,11 +32,11 @@ class ValidatedInput:
     override_columns: tuple[str, ...]
 
 
-def open_parquet(path: Path) -> pq.ParquetFile:
-    if path.stat().st_size == 0:
+def open_parquet(source: ParquetSource) -> pq.ParquetFile:
+    if file_size(source) == 0:
         raise InputError("the file is empty", status_code=400)
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = parquet_file(source)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"not a readable Parquet file: {exc}", status_code=400) from exc
     check_unique_columns(parquet.schema_arrow)
@@ -57,12 +57,12 @@ def check_unique_columns(schema: pa.Schema) -> None:
 
 
 def validate_parquet(
-    path: Path,
+    where: ParquetSource,
     params: ResolvedParams,
     max_model_len: int,
     grammar: GrammarRefusal | None = None,  # the submission's grammar check (grammar_check.py)
 ) -> ValidatedInput:
-    parquet = open_parquet(path)
+    parquet = open_parquet(where)
     schema = parquet.schema_arrow
     source = resolve_source(schema, params.template, params.prompt_column, params.chat)
     if parquet.metadata.num_rows == 0:

@@ -221,7 +221,7 @@ def test_output_and_error_lines_have_the_openai_shape() -> None:
     ],
 )
 def test_the_batch_status_is_read_from_the_job(job_status, expired: bool, expected: str) -> None:
-    from jobs.domain.openai_service import batch_status
+    from jobs.domain.batch_files import batch_status
 
     assert batch_status(job_status, expired) == expected
 

@@ -32,7 +32,8 @@ from storage.keys import create_key
 from storage.models import Job
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
-from worker.shard_runner import WorkerContext, run_shard
+from worker.shard.context import WorkerContext
+from worker.shard.executor import run_shard
 
 TENANT = "property"
 MAX_LEN = 128

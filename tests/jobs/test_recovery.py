@@ -47,18 +47,15 @@ def old_job(recovery: Recovery, shards: int, status: JobStatus = JobStatus.QUEUE
     """A job created ten minutes ago (older than a sweep), with `shards` shards of one row."""
     job_id = job_store.new_job_id()
     recovery.blobs.write_text(input_name(job_id), "not read here")
+    fields = dict(
+        job_id=job_id, tenant="recovery", model=MODEL, params={}, metadata={}, input_name=input_name(job_id)
+    )
     with recovery.sessions() as session:
-        job_store.create_job(
-            session,
-            job_id=job_id,
-            tenant="recovery",
-            model=MODEL,
-            params={},
-            metadata={},
-            input_name=input_name(job_id),
-        )
-        if status != JobStatus.VALIDATING:
-            job_store.queue_job(session, job_id, shards, [[index] for index in range(shards)])
+        if status == JobStatus.VALIDATING:
+            job_store.create_job(session, **fields)
+        else:  # as a submission stores it: validated, its shards cut, queued
+            rows = [[index] for index in range(shards)]
+            job_store.create_queued_job(session, **fields, created_at=utcnow(), num_rows=shards, shards=rows)
         session.execute(
             update(Job).where(Job.id == job_id).values(created_at=utcnow() - timedelta(minutes=10))
         )

@@ -1,4 +1,4 @@
-"""`kernels` imports and runs its CPU paths without triton installed."""
+"""`kernels` imports and runs its CPU paths without triton installed, loading the kernels already built."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.kernels.prebuilt import FORBID_BUILDING, REPORT_LOADED, build_files, built_here, prebuilt_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import faulthandler
 import sys
-faulthandler.dump_traceback_later(400, exit=True)  # before the test's timeout: a hang shows where it is
+faulthandler.dump_traceback_later(100, exit=True)  # before the test's timeout: a hang shows where it is
 sys.modules["triton"] = None  # makes `import triton` raise ImportError, as when it is not installed
 import torch
 import kernels
@@ -34,9 +36,18 @@ print("ok")
 
 
 def test_kernels_work_without_triton():
-    # the subprocess builds the CPU extensions for its own (triton-less) environment: ~2 min on 2 cores
-    # since head_dim 256 and the window paths grew them; the timeout leaves room for a loaded machine
+    # The kernels this process has are the ones the triton-less subprocess must load: whether triton
+    # imports is no input of a build. It may not compile (a cold build is minutes, over this timeout).
+    built = built_here()
+    before = build_files()
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=420
+        [sys.executable, "-c", FORBID_BUILDING + SCRIPT + REPORT_LOADED],
+        cwd=REPO_ROOT,
+        env=prebuilt_env(),  # run from REPO_ROOT, `tests` imports too
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["ok", f"loaded {built}"], result.stdout + result.stderr[-3000:]
+    assert build_files() == before, "the subprocess changed a kernel build folder: it rebuilt"

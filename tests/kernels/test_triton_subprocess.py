@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 from kernels._triton import interpreter_enabled, triton_available
 from tests.kernels.helpers import INTERPRETER_READY
+from tests.kernels.prebuilt import built_here, prebuilt_env
 
 KERNEL_TESTS = Path(__file__).resolve().parent
 REPO_ROOT = KERNEL_TESTS.parents[1]
@@ -23,11 +23,12 @@ REPO_ROOT = KERNEL_TESTS.parents[1]
 )
 def test_triton_kernels_match_references_in_a_fresh_process():
     # --confcutdir skips tests/conftest.py: these cases need nothing from the app.
+    built_here()  # the subprocess loads these builds and compiles none (under its timeout)
     command = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--confcutdir", str(KERNEL_TESTS)]
     result = subprocess.run(
         [sys.executable, *command, "-k", "interpret", str(KERNEL_TESTS)],
         cwd=REPO_ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        env={**prebuilt_env(), "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=600,

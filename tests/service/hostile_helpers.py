@@ -105,9 +105,10 @@ class Leftovers:
 class RawConnection:
     """One keep-alive HTTP/1.1 connection on a plain socket: what is sent is exactly what is written."""
 
-    def __init__(self, api_url: str, timeout: float = 15) -> None:
+    def __init__(self, api_url: str, key: str | None = None, timeout: float = 15) -> None:
         url = urlsplit(api_url)
         self.host = f"{url.hostname}:{url.port}"
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.sock = socket.create_connection((url.hostname, url.port), timeout=timeout)
         self.buffer = b""
 
@@ -118,7 +119,7 @@ class RawConnection:
         self.sock.sendall(data)
 
     def send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-        head = {"Host": self.host, "Content-Length": str(len(body)), **(headers or {})}
+        head = {"Host": self.host, **self.auth, "Content-Length": str(len(body)), **(headers or {})}
         lines = [f"{method} {path} HTTP/1.1", *(f"{name}: {value}" for name, value in head.items())]
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
 

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from jobs.domain import service as service_module
+from jobs.domain.batch_files import BatchFiles
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.openai_service import BatchService
 from jobs.domain.schemas import job_params
@@ -252,6 +253,10 @@ def test_listings_and_gets_render_any_stored_value(env: ServiceEnv, api_url: str
                 )
             )  # fmt: skip
             session.commit()
+            # Its error file, as the request that made it (or the recovery sweep) writes it: a read never does.
+            blobs = BlobStore(env.settings.resolved_data_dir)
+            jobs = JobService(env.settings, make_session_factory(engine), blobs, None)
+            assert BatchFiles(jobs).write(session, openai_store.get_batch(session, batch_id, tenant), None)
         with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
             for method, path in [
                 ("GET", "/v1/jobs"),
@@ -272,7 +277,7 @@ def test_listings_and_gets_render_any_stored_value(env: ServiceEnv, api_url: str
             assert batch["metadata"]["k\ufffd"] == "v\ufffd" and batch["errors"]["data"][0]["message"] == "e\ufffd"
             error_file = http.get(f"/v1/files/{batch['error_file_id']}/content")
             assert error_file.status_code == 200 and "\ufffd" in error_file.text
-            # the batch's GET above wrote its error file, so the odd name is not the newest: find it by id
+            # the batch's error file, written above, is newer than the odd name: find it by id
             names = {file["id"]: file["filename"] for file in http.get("/v1/files").json()["data"]}
             assert names[file_id] == "f\x07\x1b.jsonl"
             assert http.get(f"/v1/files/{file_id}").json()["filename"] == "f\x07\x1b.jsonl"

@@ -6,10 +6,8 @@ bodies are written by hand and sent over raw sockets or as raw httpx content."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import httpx
 import pyarrow as pa
@@ -17,6 +15,7 @@ import pytest
 
 from jobs.cli.client import FreightAPIError, FreightClient
 from tests.service.fixtures import PARKED_MODEL, ServiceEnv, create_api_key
+from tests.service.hostile_helpers import RawConnection
 from tests.service.test_bad_input import Leftovers, parquet_bytes, prompts, submit
 
 TENANT = "hostile"
@@ -57,44 +56,6 @@ def post_raw(http: httpx.Client, body: bytes) -> httpx.Response:
     return http.post(
         "/v1/jobs", content=body, headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
     )
-
-
-class RawConnection:
-    """One keep-alive HTTP/1.1 connection on a plain socket: what is sent is exactly what is written."""
-
-    def __init__(self, api_url: str, key: str, timeout: float = 15) -> None:
-        url = urlsplit(api_url)
-        self.host = f"{url.hostname}:{url.port}"
-        self.key = key
-        self.sock = socket.create_connection((url.hostname, url.port), timeout=timeout)
-        self.buffer = b""
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-        head = {"Host": self.host, "Authorization": f"Bearer {self.key}", "Content-Length": str(len(body))}
-        head.update(headers or {})
-        lines = [f"{method} {path} HTTP/1.1", *(f"{name}: {value}" for name, value in head.items())]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
-
-    def _fill(self) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the server closed the connection")
-        self.buffer += chunk
-
-    def response(self) -> tuple[int, dict[str, str], bytes]:
-        while b"\r\n\r\n" not in self.buffer:
-            self._fill()
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in header_lines)}
-        length = int(headers.get("content-length", "0"))
-        while len(self.buffer) < length:
-            self._fill()
-        body, self.buffer = self.buffer[:length], self.buffer[length:]
-        return int(status_line.split()[1]), headers, body
 
 
 def duplicated(names: list[str], columns: list[pa.Array]) -> bytes:

@@ -22,6 +22,7 @@ TABLES = {
     "openai_files",
     "openai_batches",
     "model_registry",
+    "throughput_profiles",
     "alembic_version",
 }
 
@@ -101,4 +102,19 @@ def test_sqlite_model_registry_migration_goes_down_and_up(tmp_path: Path) -> Non
     finally:
         engine.dispose()
     upgrade(url)
-    assert current_revision(url) == "0005" == _head(url) and _schema_diff(url) == []
+    assert current_revision(url) == _head(url) and _schema_diff(url) == []
+
+
+def test_sqlite_throughput_profiles_migration_goes_down_and_up(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'freight.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0005")
+    engine = make_engine(url)
+    try:
+        assert "throughput_profiles" not in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == "0006" == _head(url) and _schema_diff(url) == []

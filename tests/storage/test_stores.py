@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import job_store
 from storage.attempt_store import attempt_totals, attempted_shards, attempts_of, record_attempt, start_attempt
 from storage.db import make_engine, make_session_factory
+from storage.models import utcnow
 from storage.result_store import insert_results, iter_results, stored_row_indices, token_sums
 from storage.shard_store import (
     Claim,
@@ -36,7 +37,7 @@ def sessions(pg_url: str) -> Iterator[sessionmaker[Session]]:
 def _queued_job(sessions: sessionmaker[Session], shards: list[list[int]]) -> str:
     job_id = job_store.new_job_id()
     with sessions() as session:
-        job_store.create_job(
+        job_store.create_queued_job(
             session,
             job_id=job_id,
             tenant="t",
@@ -44,8 +45,10 @@ def _queued_job(sessions: sessionmaker[Session], shards: list[list[int]]) -> str
             params={},
             metadata={},
             input_name=f"jobs/{job_id}/input.parquet",
+            created_at=utcnow(),
+            num_rows=sum(map(len, shards)),
+            shards=shards,
         )
-        assert job_store.queue_job(session, job_id, sum(map(len, shards)), shards)
     return job_id
 
 

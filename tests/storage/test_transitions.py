@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from storage import job_store
 from storage.db import make_engine, make_session_factory
+from storage.models import utcnow
 from storage.shard_store import claim_shard, finish_shard
 from storage.status import (
     CANCELLABLE_JOB_STATUSES,
@@ -47,10 +48,15 @@ def _move_calls() -> Iterator[tuple[str, ast.Call]]:
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
             for node in ast.walk(tree):
-                if isinstance(node, ast.Call):
-                    name = getattr(node.func, "attr", getattr(node.func, "id", None))
-                    if name in ("move", "_move"):
-                        yield f"{path.relative_to(ROOT)}:{node.lineno}", node
+                if isinstance(node, ast.Call) and _is_job_move(node.func):
+                    yield f"{path.relative_to(ROOT)}:{node.lineno}", node
+
+
+def _is_job_move(func: ast.expr) -> bool:
+    """`move(...)` inside job_store, `job_store.move(...)` elsewhere; not another object's move (a file's)."""
+    if isinstance(func, ast.Name):
+        return func.id in ("move", "_move")
+    return isinstance(func, ast.Attribute) and func.attr == "move" and getattr(func.value, "id", None) == "job_store"
 
 
 def _status(node: ast.expr) -> JobStatus | None:
@@ -61,7 +67,7 @@ def _status(node: ast.expr) -> JobStatus | None:
 
 def test_every_move_in_the_code_is_in_the_table() -> None:
     calls = list(_move_calls())
-    assert len(calls) >= 6, calls  # the checker sees the moves (queue, start, cancel, finalizing, end)
+    assert len(calls) >= 5, calls  # the checker sees the moves (start, cancel, finalizing, end, failed)
     targets = set()
     for where, call in calls:
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
@@ -76,7 +82,8 @@ def test_every_move_in_the_code_is_in_the_table() -> None:
             assert isinstance(only_from, ast.List | ast.Tuple), where
             sources = {_status(element) for element in only_from.elts}
             assert sources <= JOB_TRANSITIONS[to], f"{where}: {sources} -> {to} is not in JOB_TRANSITIONS"
-    assert {S.QUEUED, S.IN_PROGRESS, S.CANCELLING, S.FINALIZING, S.FAILED} <= targets
+    # `queued` is entered when a submission stores its job (job_store.create_queued_job), not by a move.
+    assert {S.IN_PROGRESS, S.CANCELLING, S.FINALIZING, S.FAILED} <= targets
     # No list of allowed sources written anywhere else.
     for package in ("jobs", "worker", "storage"):
         for path in (ROOT / package).rglob("*.py"):
@@ -92,10 +99,10 @@ def sessions(pg_url: str) -> Iterator[sessionmaker[Session]]:
 
 def _queued_job(session: Session) -> str:
     job_id = job_store.new_job_id()
-    job_store.create_job(
-        session, job_id=job_id, tenant="t", model="m", params={}, metadata={}, input_name=f"jobs/{job_id}/in"
-    )
-    assert job_store.queue_job(session, job_id, 1, [[0]])
+    job_store.create_queued_job(
+        session, job_id=job_id, tenant="t", model="m", params={}, metadata={}, input_name=f"jobs/{job_id}/in",
+        created_at=utcnow(), num_rows=1, shards=[[0]],
+    )  # fmt: skip
     return job_id
 
 

@@ -7,8 +7,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from jobs.domain.settings import Settings
-from storage.blobs import BlobStore
+from jobs.domain.settings import Settings, blob_store
 from storage.db import make_engine, make_session_factory
 from worker.shard.context import WorkerContext
 
@@ -17,7 +16,8 @@ from worker.shard.context import WorkerContext
 def worker_context(
     pg_url: str, tmp_path_factory: pytest.TempPathFactory, **overrides
 ) -> Iterator[WorkerContext]:
-    """Small engine limits and one torch thread, so shards of the tiny model run fast beside other tests."""
+    """Small engine limits and one torch thread, so shards of the tiny model run fast beside other tests.
+    Job files go where the settings say: the data folder, or `storage_url=` (and `s3_endpoint_url=`)."""
     limits = dict(
         shard_size=8,
         max_model_len=512,
@@ -36,7 +36,7 @@ def worker_context(
     engine = make_engine(pg_url)
     try:
         yield WorkerContext(
-            settings=settings, sessions=make_session_factory(engine), blobs=BlobStore(settings.data_dir)
+            settings=settings, sessions=make_session_factory(engine), blobs=blob_store(settings)
         )
     finally:
         engine.dispose()

@@ -1,5 +1,6 @@
 """The shard executor (worker/shard/) on both databases it runs on: SQLite (`freight run`) and
-Postgres (the service). Both kinds of shard write the one result record, take the row's override
+Postgres (the service), and with the service's job files in an S3 bucket (SeaweedFS): submit, shard
+and finalize then read and write every job file through the object store. Both kinds of shard write the one result record, take the row's override
 columns through the one sampling mapping, and turn a row without a prompt into an error record."""
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from jobs.domain.results import RESULTS_SCHEMA
 from jobs.domain.sample_docs import sample_docs_table
 from jobs.domain.schemas import JobParams
 from jobs.domain.service import JobService
+from storage.arrow_path import parquet_file
 from storage.blobs import results_name
 from storage.db import upgrade
 from storage.status import JobStatus, ShardStatus
+from tests.s3_server import S3Server
 from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
@@ -27,14 +30,19 @@ from worker.shard.executor import run_shard
 TENANT = "executor-tests"
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", "postgres", "postgres-s3"])
 def ctx(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerContext]:
+    storage: dict[str, str] = {}
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'freight.db'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")
-    with worker_context(url, tmp_path_factory) as context:
+    if request.param == "postgres-s3":
+        server: S3Server = request.getfixturevalue("s3_server")
+        storage = {"storage_url": server.url("executor-tests"), "s3_endpoint_url": server.endpoint_url}
+    with worker_context(url, tmp_path_factory, **storage) as context:
+        assert context.blobs.is_local == (request.param != "postgres-s3")
         yield context
 
 
@@ -58,7 +66,7 @@ def run_job(ctx: WorkerContext, pool: LLMPool, source: Path, params: JobParams) 
     outcome = run_shard(ctx, pool, job_id, 0)
     assert outcome.status == ShardStatus.DONE and outcome.ready_to_finalize
     assert finalize_job(ctx, job_id) == JobStatus.COMPLETED
-    table = pq.read_table(ctx.blobs.path(results_name(job_id)))
+    table = parquet_file(ctx.blobs.arrow(results_name(job_id))).read()
     assert table.schema.names[: len(RESULTS_SCHEMA)] == RESULTS_SCHEMA.names
     return table.to_pylist()
 

@@ -23,7 +23,9 @@ from tests.service.fault_helpers import wait_for
 from tests.service.fixtures import PG_ADMIN_URL
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
-from worker.shard_runner import ShardRetry, WorkerContext, run_shard
+from worker.retry import ShardRetry
+from worker.shard.context import WorkerContext
+from worker.shard.executor import run_shard
 
 MAX_TOKENS = [5, 150, 300, 450, 600, 750]
 

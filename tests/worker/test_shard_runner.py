@@ -29,7 +29,9 @@ from worker.engine_stats import COUNTERS
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
 from worker.result_writer import ShardProgress
-from worker.shard_runner import ShardRetry, WorkerContext, run_shard
+from worker.retry import ShardRetry
+from worker.shard.context import WorkerContext
+from worker.shard.executor import run_shard
 
 TENANT = "runner-tests"
 

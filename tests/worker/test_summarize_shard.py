@@ -26,7 +26,8 @@ from storage.summary_store import insert_parts
 from tests.worker.contexts import worker_context
 from worker.finalize import finalize_job
 from worker.llm_pool import LLMPool
-from worker.shard_runner import WorkerContext, run_shard
+from worker.shard.context import WorkerContext
+from worker.shard.executor import run_shard
 
 TENANT = "summarize-tests"
 LONG_TIME_AGO = datetime(2020, 1, 1, tzinfo=UTC)

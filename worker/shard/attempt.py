@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.parquet as pq
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from storage import job_store
+from storage.arrow_path import read_schema
 from storage.result_record import ResultRecord
 from storage.result_store import insert_results, stored_row_indices
 from storage.shard_store import finish_shard, get_shard, release_shard
@@ -22,6 +22,7 @@ from worker.inputs import read_rows
 from worker.model_registry import UnservableModel
 from worker.retry import ShardRetry
 from worker.shard.context import ShardHandedBack, WorkerContext
+from worker.shard.profile import record_finished_shard
 from worker.shard.requests import custom_id
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,17 @@ class Attempt:
     ) -> None:
         """Finish the shard and end the attempt in one transaction, so a finished shard's cost is all
         stored by the time the job is finalized. When another worker took the shard over first, the
-        attempt ends as lease_lost instead (that worker's attempt finishes the shard)."""
+        attempt ends as lease_lost instead (that worker's attempt finishes the shard). A shard done here
+        adds its measured work to the model's throughput profile (worker/shard/profile.py)."""
         self.meter.record(session, AttemptOutcome(status), commit=False)
         if not finish_shard(  # commits
             session, self.job_id, self.shard_index, self.owner, status, stats, error=error
         ):
             self.meter.record(session, AttemptOutcome.LEASE_LOST)
+            return
+        if status == ShardStatus.DONE and stats is not None:
+            # After the shard is done, not with it: only the attempt that finished it counts once.
+            record_finished_shard(session, self.ctx.settings, self.job_id, stats)
 
     def lease_lost(self) -> None:
         log.warning("lost the lease on %s shard %d; another worker has it", self.job_id, self.shard_index)
@@ -128,9 +134,9 @@ class Attempt:
         """The rows' custom_ids from the input, or their row indices when the input cannot be read."""
         try:
             with self.ctx.sessions() as session:
-                path = self.ctx.blobs.path(job_store.get_job(session, self.job_id).input_name)
-            if "custom_id" in pq.read_schema(path).names:
-                found = read_rows(path, rows, ["custom_id"])
+                job_input = self.ctx.blobs.arrow(job_store.get_job(session, self.job_id).input_name)
+            if "custom_id" in read_schema(job_input).names:
+                found = read_rows(job_input, rows, ["custom_id"])
                 return {index: custom_id(index, record) for index, record in found.items()}
         except Exception:  # the input itself may be what failed; fall back to the row index
             log.exception("could not read custom_ids of %s", self.job_id)

@@ -7,12 +7,11 @@ cost counts failed and interrupted runs too. The Celery task and the embedded `f
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
-
 from jobs.domain.prompts import resolve_source
 from jobs.domain.schemas import OVERRIDE_COLUMNS, ResolvedParams
 from jobs.domain.structured_spec import STRUCTURED_COLUMNS
 from storage import job_store
+from storage.arrow_path import read_schema
 from storage.result_store import stored_row_indices
 from storage.shard_store import Claim, claim_shard, get_shard
 from storage.status import JobStatus, ShardStatus
@@ -95,11 +94,11 @@ def _execute(attempt: Attempt, pool: LLMPool, on_progress: ProgressCallback | No
     lease = LeaseWatcher(
         ctx.settings, ctx.sessions, job_id=job_id, shard_index=shard_index, owner=attempt.owner, attempt=meter
     )
-    input_path = ctx.blobs.path(job.input_name)
-    schema = pq.read_schema(input_path)
+    job_input = ctx.blobs.arrow(job.input_name)
+    schema = read_schema(job_input)
     source = resolve_source(schema, params.template, params.prompt_column, params.chat)
     extra = [name for name in (*OVERRIDE_COLUMNS, *STRUCTURED_COLUMNS, "custom_id") if name in schema.names]
-    records = read_rows(input_path, todo, list(dict.fromkeys([*source.columns, *extra])))
+    records = read_rows(job_input, todo, list(dict.fromkeys([*source.columns, *extra])))
     llm = pool.get(params)
     before = meter.watch(llm)
     writer.engine_tokens = lambda: int(llm.stats.computed_tokens - before.counters["computed_tokens"])

@@ -1,0 +1,198 @@
+"""A quote before the run: what a job would cost and when it would finish, from the same body as a
+submission. It runs the submission's own checks (so the same input gets the same 4xx), then prices the
+job with the model's measured throughput (jobs/domain/throughput.py); it stores nothing and queues
+nothing: the upload lives in a temporary local file for the length of the request."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from pydantic import BaseModel, Field
+
+from jobs.domain.errors import InputError
+from jobs.domain.schemas import JobParams
+from jobs.domain.service import JobService
+from jobs.domain.throughput import Fit, Rates, fit_rates
+from storage.arrow_path import ArrowPath
+from storage.blobs import UploadTooLarge
+from storage.models import utcnow
+from storage.profile_store import backlog_rows, profiles_of, worker_processes
+
+# The API has no tokenizer (it never loads torch or the model's files: tests/test_architecture.py), so
+# prompt tokens are estimated from characters at the usual ~4 characters per BPE token of English text;
+# the quote says so (prompt_tokens_exact: false).
+CHARS_PER_TOKEN = 4.0
+COPY_CHUNK_BYTES = 1 << 20
+
+
+class ThroughputOut(BaseModel):
+    """The measured rates the quote used: every finished shard of the model, all worker classes."""
+
+    prompt_tokens_per_second: float | None
+    output_tokens_per_second: float | None
+    seconds_per_row: float
+    shards_measured: int
+    worker_classes: list[str]
+    fit: Fit = Field(description="how the rates were fitted from the profile (jobs/domain/throughput.py)")
+
+
+class QueueOut(BaseModel):
+    backlog_rows: int = Field(description="rows of the model's queued and running jobs not finished yet")
+    backlog_device_seconds: float | None
+    workers: int = Field(description="worker processes the ETA divides the work among")
+    workers_source: Literal["observed", "setting"] = Field(
+        description="observed: processes that wrote a shard attempt of the model within the last shard lease; "
+        "setting: none did, FREIGHT_QUOTE_ASSUMED_WORKERS"
+    )
+
+
+class JobQuote(BaseModel):
+    """What `POST /v1/jobs/quote` answers: the job as a submission would make it, priced."""
+
+    model: str
+    rows: int
+    rows_to_run: int = Field(description="rows with a prompt (null or empty ones become error rows unrun)")
+    shards: int
+    prompt_chars: int
+    prompt_tokens: int
+    prompt_tokens_exact: bool = Field(
+        description="false: estimated from characters (the API has no tokenizer), template tokens not counted"
+    )
+    max_tokens: int
+    output_tokens_max: int = Field(
+        description="rows_to_run x max_tokens (row max_tokens columns not counted)"
+    )
+    output_tokens_expected: int
+    output_tokens_basis: Literal["history", "max_tokens"] = Field(
+        description="history: max tokens scaled by what past generate rows of the model used of theirs"
+    )
+    device_seconds: float | None
+    device_seconds_unknown_reason: str | None = None
+    throughput: ThroughputOut | None
+    device_hour_usd: float
+    cost_usd: float | None
+    queue: QueueOut
+    eta_seconds: float | None = Field(description="from now until the job's last shard is done, estimated")
+
+
+class QuoteService:
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+        self.settings = jobs.settings
+
+    def quote(self, upload: BinaryIO, params: JobParams) -> JobQuote:
+        jobs = self.jobs
+        grammar = jobs.grammar_session()
+        resolved, served = jobs.checked_params(params, grammar)
+        with tempfile.TemporaryDirectory(prefix="freight-quote-") as scratch:
+            local = Path(scratch) / "input.parquet"
+            _copy_limited(upload, local, self.settings.max_upload_bytes)
+            validated, shards = jobs.check_input(ArrowPath.local(local), resolved, served, grammar)
+        since = utcnow() - timedelta(seconds=self.settings.shard_lease_seconds)
+        with jobs.sessions() as session:
+            rates = fit_rates(profiles_of(session, model=resolved.model))
+            backlog = backlog_rows(session, model=resolved.model)
+            seen_workers = worker_processes(session, model=resolved.model, since=since)
+        rows_to_run = validated.num_rows - validated.null_or_empty_rows
+        prompt_chars = int(validated.prompt_chars.sum())
+        return price(
+            model=resolved.model,
+            rows=validated.num_rows,
+            rows_to_run=rows_to_run,
+            shards=len(shards),
+            prompt_chars=prompt_chars,
+            max_tokens=resolved.max_tokens,
+            rates=rates,
+            backlog=backlog,
+            seen_workers=seen_workers,
+            assumed_workers=self.settings.quote_assumed_workers,
+            device_hour_usd=self.settings.device_hour_usd,
+        )
+
+
+def price(
+    *,
+    model: str,
+    rows: int,
+    rows_to_run: int,
+    shards: int,
+    prompt_chars: int,
+    max_tokens: int,
+    rates: Rates | None,
+    backlog: int,
+    seen_workers: int,
+    assumed_workers: int,
+    device_hour_usd: float,
+) -> JobQuote:
+    """The quote from the job's counts and the model's rates (pure: the tests check the arithmetic)."""
+    prompt_tokens = math.ceil(prompt_chars / CHARS_PER_TOKEN)
+    output_max = rows_to_run * max_tokens
+    from_history = rates is not None and rates.output_fraction is not None
+    output_expected = round(output_max * rates.output_fraction) if from_history else output_max
+    workers = seen_workers or assumed_workers
+    queue = QueueOut(
+        backlog_rows=backlog,
+        backlog_device_seconds=None if rates is None else round(backlog * rates.seconds_per_row, 3),
+        workers=workers,
+        workers_source="observed" if seen_workers else "setting",
+    )
+    device_seconds = eta = cost = None
+    reason = throughput = None
+    if rates is None:
+        reason = (
+            f"no shard of model {model!r} has finished yet: there is no measured throughput to price it with"
+        )
+    else:
+        device_seconds = rates.device_seconds(prompt_tokens, output_expected)
+        cost = round(device_seconds / 3600.0 * device_hour_usd, 8)
+        # The backlog is shared by every worker; the job itself spreads over at most one worker per shard.
+        eta = round(queue.backlog_device_seconds / workers + device_seconds / max(1, min(workers, shards)), 3)
+        device_seconds = round(device_seconds, 3)
+        throughput = ThroughputOut(
+            prompt_tokens_per_second=_per_second(rates.prompt_seconds_per_token),
+            output_tokens_per_second=_per_second(rates.output_seconds_per_token),
+            seconds_per_row=round(rates.seconds_per_row, 6),
+            shards_measured=rates.shards,
+            worker_classes=list(rates.worker_classes),
+            fit=rates.fit,
+        )
+    return JobQuote(
+        model=model,
+        rows=rows,
+        rows_to_run=rows_to_run,
+        shards=shards,
+        prompt_chars=prompt_chars,
+        prompt_tokens=prompt_tokens,
+        prompt_tokens_exact=False,
+        max_tokens=max_tokens,
+        output_tokens_max=output_max,
+        output_tokens_expected=output_expected,
+        output_tokens_basis="history" if from_history else "max_tokens",
+        device_seconds=device_seconds,
+        device_seconds_unknown_reason=reason,
+        throughput=throughput,
+        device_hour_usd=device_hour_usd,
+        cost_usd=cost,
+        queue=queue,
+        eta_seconds=eta,
+    )
+
+
+def _per_second(seconds_per_token: float) -> float | None:
+    """Tokens per second; None for a rate the fit set to zero (that kind of token was not measurable)."""
+    return round(1.0 / seconds_per_token, 3) if seconds_per_token > 0 else None
+
+
+def _copy_limited(source: BinaryIO, target: Path, max_bytes: int) -> None:
+    """The upload into a local file, refused past max_bytes with the submission's 413."""
+    written = 0
+    with open(target, "wb") as sink:
+        while chunk := source.read(COPY_CHUNK_BYTES):
+            written += len(chunk)
+            if written > max_bytes:
+                raise InputError(str(UploadTooLarge(max_bytes)), status_code=413)
+            sink.write(chunk)

@@ -15,4 +15,4 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not slow" --ignore=tests/service "$@"
 fi
-.venv/bin/python -m pytest -q -ra "$@"
+.venv/bin/python -m pytest -q -ra --durations=30 "$@"  # the slowest tests: where CI time goes

@@ -37,6 +37,7 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 TIER_CFLAGS: dict[str, list[str]] = {
     "generic": [],
     "avx2": _AVX2,
+    "avx512vnni": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
     "avx512": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"],
 }
 

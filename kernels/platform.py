@@ -4,7 +4,9 @@ The ISA tier names the compiled-kernel build that runs here (kernels/_cpu_build.
 for named ISA levels, never -march=native, so a build made on one machine runs on another):
 
 - `avx512`: AVX-512 F/BW/VL/DQ with VNNI and BF16 (Zen 4, Sapphire Rapids and later);
-- `avx2`: AVX2 + FMA + F16C (Haswell and later, Zen 1-3; also AVX-512 CPUs that lack VNNI or BF16);
+- `avx512vnni`: the same without BF16 (Cascade Lake, Ice Lake: many cloud servers); the INT8 kernels run
+  at AVX-512 width, the BF16-only kernels (bf16 prefill attention) are not built;
+- `avx2`: AVX2 + FMA + F16C (Haswell and later, Zen 1-3; also AVX-512 CPUs without VNNI, e.g. Skylake);
 - `generic`: anything else, aarch64 included (portable C++ loops, vectorized by the compiler).
 
 FREIGHT_CPU_ISA=avx2 (or generic) forces a lower tier on a machine that has a higher one, to test what
@@ -19,10 +21,11 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TIERS = ("generic", "avx2", "avx512")  # lowest first
+TIERS = ("generic", "avx2", "avx512vnni", "avx512")  # lowest first
 TIER_FLAGS: dict[str, frozenset[str]] = {
     "generic": frozenset(),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                          "avx512_bf16"}),
 }  # fmt: skip
@@ -30,6 +33,8 @@ TIER_FLAGS: dict[str, frozenset[str]] = {
 TIER_LIBRARY_ENV: dict[str, dict[str, str]] = {
     "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512vnni": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                   "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx512": {},
 }
 ISA_ENV = "FREIGHT_CPU_ISA"

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 native_tier=$(.venv/bin/python -c 'from kernels.platform import cpu_info; print(cpu_info().native_tier)')
-if [ "$native_tier" != "avx512" ]; then
+if [ "$native_tier" != "avx512" ] && [ "$native_tier" != "avx512vnni" ]; then
   echo "native tier is $native_tier: nothing to force"
   exit 0
 fi

@@ -7,6 +7,8 @@ import pytest
 from kernels import platform
 from kernels.platform import TIER_FLAGS, active_tier, cpu_info, force_tier_environment, native_tier
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 ZEN3 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
 
@@ -14,8 +16,9 @@ ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "av
 def test_tiers_follow_the_flags() -> None:
     assert native_tier("x86_64", ZEN3) == "avx2"
     assert native_tier("x86_64", ZEN4) == "avx512"
-    # AVX-512 without BF16 (Cascade Lake) runs the AVX2 build: the avx512 build assumes BF16 and VNNI
-    assert native_tier("x86_64", ZEN4 - {"avx512_bf16"}) == "avx2"
+    # AVX-512 with VNNI but no BF16 (Cascade Lake, Ice Lake) has its own build; without VNNI (Skylake) AVX2's
+    assert native_tier("x86_64", ZEN4 - {"avx512_bf16"}) == "avx512vnni"
+    assert native_tier("x86_64", ZEN4 - {"avx512_bf16", "avx512_vnni"}) == "avx2"
     assert native_tier("x86_64", frozenset({"sse4_2"})) == "generic"
     assert native_tier("aarch64", frozenset({"asimd", "sve", "i8mm", "bf16"})) == "generic"
 

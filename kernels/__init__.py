@@ -13,15 +13,11 @@ apply_forced_tier_environment()  # before any torch op: the libraries read their
 
 from kernels._dispatch import select_backend  # noqa: E402
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.int8_linear import (  # noqa: E402
-    int8_linear,
-    int8_linear_silu_mul,
-    quantize_per_token,
-    quantize_weight_per_channel,
-)
+from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_per_token  # noqa: E402
 from kernels.kv_cache import write_kv_cache  # noqa: E402
 from kernels.norm import rms_norm  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernels.quantize import quantize_weight_per_channel  # noqa: E402
 
 __all__ = [
     "int8_linear",

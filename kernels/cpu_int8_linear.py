@@ -29,6 +29,7 @@ from kernels._checks import check_float_tensor, resolve_out_dtype
 from kernels._cpu_build import build_extension
 from kernels.int_mm import int_mm
 from kernels.platform import cpu_info
+from kernels.quantize import quantize_weight_per_channel
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,6 @@ def onednn_available() -> bool:
 
 def prepack_onednn(weight: torch.Tensor) -> OnednnWeight:
     """weight [N, K] float -> its per-channel int8 codes (qmax = weight_qmax()) prepacked for oneDNN."""
-    from kernels.int8_linear import quantize_weight_per_channel  # kernels.int8_linear imports this module
-
     check_float_tensor("weight", weight, 2)
     return _prepack(*quantize_weight_per_channel(weight, weight_qmax()))
 

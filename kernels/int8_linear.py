@@ -2,10 +2,10 @@
 
 y = (x_q @ w_q_t) * x_scale[:, None] * w_scale[None, :] + bias, with x_q, x_scale = quantize_per_token(x).
 
-Weight layout: keep w_q [N, K] contiguous (quantize_weight_per_channel) and pass w_q.t() as w_q_t. On the
-2-core CPU torch._int_mm runs equally fast with a [K, N]-contiguous operand and with this transposed view
-(measured within 5% at M = 32, 256 and 1024 for K, N = 576, 1536 and 1536, 576); on CUDA the K-major
-[N, K] layout is the one int8 tensor cores read directly.
+Weight layout: keep w_q [N, K] contiguous (quantize.py: quantize_weight_per_channel), pass w_q.t() as
+w_q_t. On the 2-core CPU torch._int_mm runs equally fast with a [K, N]-contiguous operand and with this
+transposed view (measured within 5% at M = 32, 256 and 1024 for K, N = 576, 1536 and 1536, 576); on CUDA
+the K-major [N, K] layout is the one int8 tensor cores read directly.
 CPU: torch._int_mm (works for every M on CPU, 1 included) and an epilogue of plain in-place float ops; on
 this CPU the mixed-dtype variants (int32 * float32 in one op, out= casts) measured slower.
 CUDA: a Triton quantization kernel, then a Triton int8 GEMM whose epilogue applies both scales and the bias
@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_int8_linear
-from kernels._checks import FLOAT_DTYPES, INT8_SCALE_EPS, check_float_tensor, check_same_device
+from kernels._checks import FLOAT_DTYPES, check_same_device
 from kernels._dispatch import select_backend
 from kernels._triton import cdiv, jit, next_power_of_2, require_triton_device, tl
 from kernels.int_mm import int_mm
+from kernels.quantize import check_rows, quantize_per_token_torch
 
 
 @jit
@@ -103,29 +104,8 @@ def _int8_matmul_kernel(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _check_rows(x: torch.Tensor) -> None:
-    check_float_tensor("x", x, 2)
-    if x.stride(-1) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
-
-
-def _quantize_rows_torch(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (q [M, K] int8 in [-qmax, qmax], scale [M] float32 = max|x_row| / qmax)."""
-    _check_rows(x)
-    # Measured on the 2-core CPU: abs().amax() and an exact division beat vector_norm(inf), aminmax and
-    # multiplying by the reciprocal (which also differs from the reference by 1 now and then).
-    x = x.float()
-    scale = x.abs().amax(dim=1).div_(qmax).clamp_(min=INT8_SCALE_EPS)
-    return torch.div(x, scale[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8), scale
-
-
-def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32); symmetric, scale = max|x_row| / 127."""
-    return _quantize_rows_torch(x, 127)
-
-
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows(x)
+    check_rows(x)
     require_triton_device(x)
     M, K = x.shape
     x_q = torch.empty((M, K), dtype=torch.int8, device=x.device)
@@ -138,24 +118,13 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (x_q [M, K] int8, x_scale [M] float32), symmetric per row: absmax / 127."""
-    _check_rows(x)
+    check_rows(x)
     backend = select_backend(x, compiled_supports=cpu_int8_linear.available)
     if backend == "triton":
         return quantize_per_token_triton(x)
     if backend == "compiled":
         return cpu_int8_linear.quantize_per_token_cpu(x)
     return quantize_per_token_torch(x)
-
-
-def quantize_weight_per_channel(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (w_q [N, K] int8 contiguous, w_scale [N] float32); pass w_q.t() to int8_linear.
-
-    Symmetric per output channel: w_scale = max|w_row| / qmax, codes in [-qmax, qmax]. qmax 63 keeps
-    oneDNN's u8 x s8 GEMM exact on CPUs without VNNI (see cpu_int8_linear.weight_qmax).
-    """
-    if not 1 <= qmax <= 127:
-        raise ValueError(f"qmax must be in [1, 127], got {qmax}")
-    return _quantize_rows_torch(w.contiguous(), qmax)
 
 
 def _check_linear_args(
@@ -165,7 +134,7 @@ def _check_linear_args(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> torch.dtype:
-    _check_rows(x)
+    check_rows(x)
     if w_q_t.dtype != torch.int8 or w_q_t.dim() != 2:
         raise ValueError(f"w_q_t must be a 2-D int8 [K, N] tensor, got {w_q_t.dtype} {tuple(w_q_t.shape)}")
     K, N = w_q_t.shape

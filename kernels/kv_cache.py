@@ -19,7 +19,7 @@ from kernels._checks import (
 )
 from kernels._dispatch import select_backend
 from kernels._triton import jit, next_power_of_2, require_triton_device, tl
-from kernels.int8_linear import quantize_per_token_torch
+from kernels.quantize import quantize_per_token_torch
 
 
 @jit

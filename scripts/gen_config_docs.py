@@ -4,7 +4,8 @@
     .venv/bin/python scripts/gen_config_docs.py --check  # exit 1 if the committed page is stale
 
 The page has one source: every field of `Settings` (its environment variable, type, default and
-`Field(description=...)`). tests/test_docs.py fails when the committed page differs from what this renders.
+`Field(description=...)`); the engine settings, which `Settings` derives from jobs.domain.engine_options.EngineOptions,
+in a section of their own. tests/test_docs.py fails when the committed page differs from what this renders.
 """
 
 from __future__ import annotations
@@ -30,14 +31,26 @@ Every setting is an environment variable with the prefix `FREIGHT_`. One setting
 the same thing to each of them. Lists are JSON (`FREIGHT_MODELS='["smollm2-135m", "gemma3-270m"]'`);
 booleans take `true`/`false` or `1`/`0`; "unset" means the variable is absent.
 
-The engine settings (`dtype`, `quantization`, `kv_cache_dtype`, ...) are the defaults of every job; a job
-can override `dtype`, `quantization` and `kv_cache_dtype` in its parameters ([Jobs](jobs.md)). What `auto`
-measures is explained in [Kernels and CPU tiers](kernels.md).
+The [engine settings](#engine-settings) are listed after the others.
 
 To regenerate this page after changing a field: `.venv/bin/python scripts/gen_config_docs.py`.
 
+"""
+
+TABLE_HEAD = """\
 | variable | type | default | description |
 |---|---|---|---|
+"""
+
+ENGINE_HEADER = """
+## Engine settings
+
+The engine's options are declared once, in `jobs/domain/engine_options.py` (`EngineOptions`: name, type, default,
+description): the engine's `EngineConfig` is built on them and the settings below are derived from them, so
+a worker hands them to its engine as they are. They are the defaults of every job; a job can override
+`dtype`, `quantization` and `kv_cache_dtype` in its parameters ([Jobs](jobs.md)). What `auto` measures is
+explained in [Kernels and CPU tiers](kernels.md).
+
 """
 
 FOOTER = """
@@ -114,10 +127,11 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
+    from jobs.domain.engine_settings import EngineSettings
     from jobs.domain.settings import Settings
 
     prefix = Settings.model_config.get("env_prefix", "")
-    rows = []
+    rows: dict[bool, list[str]] = {False: [], True: []}  # engine setting? -> its table's rows
     missing = []
     for name, field in Settings.model_fields.items():
         if not field.description:
@@ -125,7 +139,7 @@ def render() -> str:
             continue
         env = f"{prefix}{name}".upper()
         kind = _type_name(field.annotation) + _bounds(field)
-        rows.append(
+        rows[name in EngineSettings.model_fields].append(
             f"| `{env}` | {_cell(kind)} | {_cell(_default(name, field))} | {_cell(field.description)} |"
         )
     if missing:
@@ -133,7 +147,8 @@ def render() -> str:
             "settings fields without a description (add Field(description=...) in jobs/domain/settings.py): "
             + ", ".join(missing)
         )
-    return HEADER + "\n".join(rows) + "\n" + FOOTER
+    tables = [TABLE_HEAD + "\n".join(rows[engine]) + "\n" for engine in (False, True)]
+    return HEADER + tables[0] + ENGINE_HEADER + tables[1] + FOOTER
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,9 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.decode_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
-from kernels.int8_linear import int8_linear_torch, int8_linear_triton, quantize_weight_per_channel  # noqa: E402
+from kernels.int8_linear import int8_linear_torch, int8_linear_triton  # noqa: E402
 from kernels.kv_cache import write_kv_cache_torch, write_kv_cache_triton  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention_torch, paged_prefill_attention_triton  # noqa: E402
+from kernels.quantize import quantize_weight_per_channel  # noqa: E402
 
 # (name, num_heads, num_kv_heads, head_dim): the default model, and a Llama-3-8B-sized layer.
 MODELS = [("smollm2-135m", 9, 3, 64), ("llama-8b", 32, 8, 128)]

@@ -12,10 +12,12 @@ from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobEvent, OpenAIBatch, ResultRow, Shard, as_utc, utcnow
+from storage.priority import DEFAULT_PRIORITY
 from storage.result_store import finish_reason_counts
 from storage.shard_store import unfinished_shards
 from storage.status import (
     ACTIVE_JOB_STATUSES,
+    CANCELLABLE_JOB_STATUSES,
     COMPLETED_FINISH_REASONS,
     FINAL_JOB_STATUSES,
     FinishReason,
@@ -67,6 +69,10 @@ def create_queued_job(
     num_rows: int,
     shards: list[list[int]],
     also: Callable[[Session], None] | None = None,
+    priority: str = DEFAULT_PRIORITY,
+    deadline: datetime | None = None,
+    deadline_warning: str | None = None,
+    pieces: list[list[dict]] | None = None,  # an input by reference: each shard's row-group ranges
 ) -> None:
     """A validated job, its shards and its events (validating at `created_at`, then queued now) in one
     transaction: all of them are stored, or (on any failure) none. `also` adds rows made with the job
@@ -85,9 +91,12 @@ def create_queued_job(
                 created_at=created_at,
                 num_rows=num_rows,
                 num_shards=len(shards),
+                priority=priority,
+                deadline=deadline,
+                deadline_warning=deadline_warning,
             ),
         )
-        _add_shards(session, job_id, shards)
+        _add_shards(session, job_id, shards, pieces)
         _add_events(session, job_id, [(JobStatus.VALIDATING, created_at), (JobStatus.QUEUED, utcnow())])
         if also is not None:
             also(session)
@@ -102,9 +111,12 @@ def _add_job(session: Session, job: Job) -> None:
     session.flush()  # the job row first: shards and events refer to it
 
 
-def _add_shards(session: Session, job_id: str, shards: list[list[int]]) -> None:
+def _add_shards(
+    session: Session, job_id: str, shards: list[list[int]], pieces: list[list[dict]] | None = None
+) -> None:
     session.add_all(
-        Shard(job_id=job_id, shard_index=index, row_indices=rows) for index, rows in enumerate(shards)
+        Shard(job_id=job_id, shard_index=index, row_indices=rows, pieces=pieces[index] if pieces else None)
+        for index, rows in enumerate(shards)
     )
     session.flush()
 
@@ -209,6 +221,22 @@ def note_error(session: Session, *, job_id: str, error: str, commit: bool = True
 
 def request_cancel(session: Session, job_id: str, *, commit: bool = True) -> bool:
     return move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True}, commit=commit)
+
+
+def expire_overdue(session: Session, *, now: datetime) -> list[str]:
+    """Cancel the jobs still running past their deadline and note when they expired, each in one
+    transaction: finished rows are kept, the rest are never run (as an OpenAI batch past its window).
+    Returns their ids."""
+    overdue = session.scalars(
+        select(Job.id).where(
+            Job.deadline < now, Job.expired_at.is_(None), Job.status.in_(list(CANCELLABLE_JOB_STATUSES))
+        )
+    ).all()
+    expired = []
+    for job_id in overdue:
+        if move(session, job_id, to=JobStatus.CANCELLING, extra={"cancel_requested": True, "expired_at": now}):
+            expired.append(job_id)
+    return expired
 
 
 def job_status(session: Session, job_id: str) -> str | None:

@@ -1,5 +1,6 @@
 """SQLAlchemy 2.0 tables: API keys, jobs, shards (with lease), shard attempts, result rows, status events,
-the files and batches of the OpenAI-compatible API, the model registry and the throughput profiles."""
+the files and batches of the OpenAI-compatible API, the model registry, the throughput profiles and the
+result cache."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -62,6 +64,11 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # Scheduling (docs/scheduling.md): shards are claimed by priority class, fair share, then deadline.
+    priority: Mapped[str] = mapped_column(String(10), default="normal", server_default="normal")
+    deadline: Mapped[datetime | None] = mapped_column(default=None)
+    deadline_warning: Mapped[str | None] = mapped_column(Text, default=None)  # the quote's ETA missed it
+    expired_at: Mapped[datetime | None] = mapped_column(default=None)  # the deadline passed: cancelled
 
     __table_args__ = (Index("ix_jobs_tenant_seq", "tenant", "seq"),)
 
@@ -72,8 +79,10 @@ class Shard(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     shard_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     # pending -> running -> done | cancelled | failed; "running" is held by owner until lease_until
-    status: Mapped[str] = mapped_column(String(20), default="pending")
+    status: Mapped[str] = mapped_column(String(20), default="pending", index=True)  # claim scans pending
     row_indices: Mapped[list[int]] = mapped_column()  # input rows, shortest first
+    # An input by reference: the shard's row-group ranges instead ([] row_indices; jobs/domain/sharding.py).
+    pieces: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     owner: Mapped[str | None] = mapped_column(String(200), default=None)
     lease_until: Mapped[datetime | None] = mapped_column(default=None)
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -116,6 +125,8 @@ class ResultRow(Base):
     output_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(20))
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    # the output was reused from the tenant's result cache, not run (storage/result_cache_store.py)
+    cached: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     shard_index: Mapped[int] = mapped_column(Integer)
     finished_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -246,3 +257,21 @@ class ThroughputProfile(Base):
     capped_output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     capped_max_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ResultCacheEntry(Base):
+    """A finished row's output, kept for reuse by later rows of the same tenant with the same key: the
+    digest of the model revision, engine numerics, prompt token ids and sampling parameters
+    (worker/shard/cache_key.py). Written after a shard finishes; never shared between tenants."""
+
+    __tablename__ = "result_cache"
+
+    tenant: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 hex digest
+    output_text: Mapped[str] = mapped_column(Text)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(20))
+    device_seconds: Mapped[float] = mapped_column(Float)  # the row's share of its shard's engine time
+    job_id: Mapped[str] = mapped_column(String(40))  # the job that ran it (kept if that job is deleted)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -79,14 +79,14 @@ def profiles_of(session: Session, *, model: str) -> list[ThroughputProfile]:
 BACKLOG_STATUSES = sorted(ACTIVE_JOB_STATUSES - {JobStatus.CANCELLING})
 
 
-def backlog_rows(session: Session, *, model: str) -> int:
-    """Rows of the model's queued and running jobs that have no stored result yet."""
-    jobs = select(Job.id).where(Job.model == model, Job.status.in_(BACKLOG_STATUSES))
-    total = session.scalar(
-        select(func.coalesce(func.sum(Job.num_rows), 0)).where(
-            Job.model == model, Job.status.in_(BACKLOG_STATUSES)
-        )
-    )
+def backlog_rows(session: Session, *, model: str, priorities: list[str] | None = None) -> int:
+    """Rows of the model's queued and running jobs that have no stored result yet; with `priorities`,
+    of the jobs in those priority classes only (the work that goes before a job of a given class)."""
+    where = [Job.model == model, Job.status.in_(BACKLOG_STATUSES)]
+    if priorities is not None:
+        where.append(Job.priority.in_(priorities))
+    jobs = select(Job.id).where(*where)
+    total = session.scalar(select(func.coalesce(func.sum(Job.num_rows), 0)).where(*where))
     stored = session.scalar(select(func.count()).select_from(ResultRow).where(ResultRow.job_id.in_(jobs)))
     return max(0, int(total) - int(stored))
 

@@ -10,9 +10,9 @@ from typing import Any
 from storage.status import FinishReason
 
 
-def _column(arrow: str) -> Any:
+def _column(arrow: str, **options: Any) -> Any:
     """A field with the Arrow type of its Parquet column (a name of a pyarrow type factory)."""
-    return field(metadata={"arrow": arrow})
+    return field(metadata={"arrow": arrow}, **options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,7 @@ class ResultRecord:
     output_tokens: int = _column("int32")
     finish_reason: str = _column("string")
     error: str | None = _column("string")  # None unless the row failed
+    cached: bool = _column("bool_", default=False)  # reused from the tenant's result cache, not run
 
     @classmethod
     def failed(

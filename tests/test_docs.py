@@ -10,6 +10,10 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

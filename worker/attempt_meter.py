@@ -20,6 +20,9 @@ class AttemptMeter:
         self.attempt_id: int | None = None
         self._spent: Callable[[], dict[str, float]] = dict  # nothing is spent before the engine is picked
         self._frozen: dict[str, float] | None = None
+        # Engine time the attempt's cached rows did not spend (what running them first cost), stored
+        # with the counters so it lands in the same transaction as the rows (worker/shard/result_cache.py).
+        self.saved_device_seconds = 0.0
 
     def start(self, session: Session, *, job_id: str, shard_index: int, owner: str) -> None:
         self.attempt_id = start_attempt(session, job_id=job_id, shard_index=shard_index, owner=owner)
@@ -36,7 +39,10 @@ class AttemptMeter:
         self._frozen = self.counters()
 
     def counters(self) -> dict[str, float]:
-        return dict(self._frozen) if self._frozen is not None else self._spent()
+        counters = dict(self._frozen) if self._frozen is not None else self._spent()
+        if self.saved_device_seconds:
+            counters["saved_device_seconds"] = round(self.saved_device_seconds, 4)
+        return counters
 
     def record(self, session: Session, outcome: AttemptOutcome | None = None, *, commit: bool = True) -> None:
         """Store the counters so far (and the outcome, once the attempt ended). An attempt whose row

@@ -20,6 +20,7 @@ from storage import job_store
 from storage.blobs import metrics_name, results_name
 from storage.models import utcnow
 from storage.status import FINAL_JOB_STATUSES, JobStatus
+from worker.inputs import open_job_input
 from worker.shard.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _finalize(ctx: WorkerContext, job_id: str) -> str | None:
             return job.status if job is not None else None
         try:
             with ctx.blobs.atomic_path(results_name(job_id)) as temp:
-                write_final_results(session, job, ctx.blobs.arrow(job.input_name), temp)
+                write_final_results(session, job, open_job_input(ctx.blobs, ctx.settings, job.input_name), temp)
                 if job.params.get("task") == "summarize":
                     add_summary_columns(session, job, ctx.blobs.arrow(job.input_name), temp)
             finished_at = utcnow()

@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from jobs.domain.engine_settings import engine_options_of
 from jobs.domain.schemas import ResolvedParams
 from jobs.domain.served_models import model_context, unservable
 from jobs.domain.settings import Settings
@@ -64,18 +65,16 @@ class LLMPool:
         started = time.monotonic()
         self._llm = LLM(
             model=key.model,
-            dtype=key.dtype,
-            quantization=key.quantization,
-            kv_cache_dtype=key.kv_cache_dtype,
-            int8_backend=settings.int8_backend,
-            max_model_len=model_context(facts.context_len, settings.max_model_len),
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            kv_cache_memory_gb=settings.kv_cache_memory_gb,
-            num_threads=settings.num_threads,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            enable_speculation=settings.enable_speculation,
-            cache_dir=str(settings.models_dir),
+            # every engine setting as the worker's settings say (they are derived from the engine's
+            # options), then what this key and this model decide
+            **engine_options_of(settings)
+            | dict(
+                dtype=key.dtype,
+                quantization=key.quantization,
+                kv_cache_dtype=key.kv_cache_dtype,
+                max_model_len=model_context(facts.context_len, settings.max_model_len),
+                cache_dir=str(settings.models_dir),
+            ),
             engine_thread=True,  # loaded on the main thread, run on the pool's: keep torch on one thread
         )
         self._key = key

@@ -17,7 +17,7 @@ from worker.prometheus import WorkerMetrics
 from worker.result_writer import ShardProgress
 from worker.retry import RetryPolicy, ShardRetry
 from worker.shard.context import WorkerContext
-from worker.shard.executor import run_shard
+from worker.shard.executor import run_next_shard
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def register_tasks(
                 log.debug("progress event not sent: %s", exc)
 
         try:
-            outcome = run_shard(ctx, pool, job_id, shard_index, on_progress=progress)
+            # The message is a ticket: the shard run may be another job's (docs/scheduling.md).
+            outcome = run_next_shard(ctx, pool, job_id, shard_index, on_progress=progress)
         except ShardRetry as exc:
             # run_shard counts attempts in the database and stops retrying after shard_max_attempts.
             raise self.retry(exc=exc, countdown=policy.shard_delay_s) from exc
@@ -56,7 +57,7 @@ def register_tasks(
             raise self.retry(exc=exc, countdown=policy.infrastructure_delay_s) from exc
         if metrics is not None:
             ended = "handed_back" if outcome.handed_back else outcome.status or outcome.claim
-            metrics.observe_shard_end(job_id, shard_index, str(ended), outcome.rows_written)
+            metrics.observe_shard_end(outcome.job_id, outcome.shard_index, str(ended), outcome.rows_written)
         if outcome.handed_back:
             # SIGTERM: back to the queue for another worker (Redis puts it at the head).
             raise Reject("worker shutting down", requeue=True)
@@ -72,7 +73,16 @@ def register_tasks(
         if outcome.ready_to_finalize:
             # Sent before this task is acknowledged: if the worker dies first, the redelivered
             # shard finds the job finalizing and sends it again (finalize is idempotent).
-            dispatcher.dispatch_finalize(job_id)  # the default queue is this model's queue
+            dispatcher.dispatch_finalize(outcome.job_id)  # the default queue is this model's queue
+            # Then finalize here at once: that message waits behind every shard ticket of the model
+            # (docs/scheduling.md), so a job whose shards went first would otherwise wait for the others'
+            # shards to be done. The message stays the safety net (finalize is idempotent).
+            try:
+                finalize_job(ctx, outcome.job_id)
+            except Exception:
+                log.warning(
+                    "finalizing %s here failed; its finalize task tries again", outcome.job_id, exc_info=True
+                )
         return {**last_progress, **outcome.as_dict()}
 
     @app.task(name=TASK_FINALIZE_JOB, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)

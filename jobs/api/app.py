@@ -28,7 +28,7 @@ from jobs.api.edge import BodyTimeout, InternalErrors, check_query_text, parse_j
 from jobs.api.multipart import FormSpec, file_part, form_dependency
 from jobs.api.openai_batch import openai_batch_router
 from jobs.api.prometheus import install_metrics
-from jobs.api.report import job_report_html
+from jobs.api.reference_jobs import add_reference_routes
 from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
@@ -36,6 +36,7 @@ from jobs.domain.grammar_check import GrammarChecker
 from jobs.domain.json_limits import JsonLimits
 from jobs.domain.quote import JobQuote, QuoteService
 from jobs.domain.recovery import start_recovery
+from jobs.domain.report import job_report_html
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
 from jobs.domain.settings import Settings, blob_store
@@ -87,6 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     _add_error_handlers(app)
     _add_routes(app, settings)
+    add_reference_routes(app, settings.json_limits)
     app.include_router(openai_batch_router())
     install_metrics(app)
     app.add_middleware(UploadLimit, max_upload_bytes=settings.max_upload_bytes)

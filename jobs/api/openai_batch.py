@@ -1,16 +1,16 @@
 """The OpenAI-compatible Batch API: /v1/files and /v1/batches, so that an OpenAI SDK batch script runs
 against Freight with only its base_url and api_key changed. Same tenants and keys as the native
 routes; another tenant's file or batch is a 404. Each batch is one Freight job
-(jobs/domain/openai_service.py)."""
+(jobs/domain/openai_service.py); every answer is one of OpenAI's objects (jobs/domain/openai_objects.py),
+so the OpenAPI page shows their schemas."""
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -22,12 +22,35 @@ from jobs.api.edge import parse_json_input
 from jobs.api.multipart import FormSpec, file_part, form_dependency
 from jobs.domain.errors import InputError, NotFound, clip, clip_repr
 from jobs.domain.json_limits import JsonLimits
+from jobs.domain.openai_objects import (
+    Batch,
+    BatchList,
+    BatchRequestInput,
+    BatchRequestOutput,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
 from jobs.domain.openai_service import BatchService
 
 # What storage.openai_store makes; anything else names nothing, answered before any query.
 FILE_ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID_PATTERN = re.compile(r"batch_[0-9a-f]{32}")
 JSONL_MEDIA_TYPE = "application/jsonl"
+
+
+class JsonlResponse(Response):
+    """A file's content: JSONL, one object a line (documents the route's media type)."""
+
+    media_type = JSONL_MEDIA_TYPE
+
+
+CONTENT_RESPONSES = {
+    200: {
+        "model": BatchRequestInput | BatchRequestOutput,
+        "description": "JSONL: a request a line (input file), or a request's output (output and error files)",
+    }
+}
 
 
 class CreateBatch(BaseModel):
@@ -50,7 +73,11 @@ FILE_BODY = {
                     "type": "object",
                     "required": ["file", "purpose"],
                     "properties": {
-                        "file": {"type": "string", "format": "binary", "description": "the batch input, JSONL"},
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "the batch input, JSONL: a BatchRequestInput a line",
+                        },
                         "purpose": {"type": "string", "description": "batch"},
                     },
                 }
@@ -126,7 +153,7 @@ def openai_batch_router() -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["openai batch"])
 
     @router.post("/files", openapi_extra=FILE_BODY)
-    def create_file(tenant: Tenant, batches: Batches, form: FileForm) -> dict[str, Any]:
+    def create_file(tenant: Tenant, batches: Batches, form: FileForm) -> FileObject:
         file = file_part(form, "file")
         return batches.upload(tenant, file.file, file.filename, str(form.get("purpose")))
 
@@ -137,23 +164,23 @@ def openai_batch_router() -> APIRouter:
         purpose: str | None = None,
         after: str | None = None,
         limit: Limit = 20,
-    ) -> dict[str, Any]:
+    ) -> FileList:
         return batches.list_files(tenant, purpose, _cursor(after, FILE_ID_PATTERN), limit)
 
     @router.get("/files/{file_id}")
-    def get_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:
+    def get_file(tenant: Tenant, batches: Batches, file_id: FileId) -> FileObject:
         return batches.get_file(tenant, file_id)
 
-    @router.get("/files/{file_id}/content", response_class=FileResponse)
+    @router.get("/files/{file_id}/content", response_class=JsonlResponse, responses=CONTENT_RESPONSES)
     def file_content(tenant: Tenant, batches: Batches, file_id: FileId) -> Response:
         return file_response(batches.file_source(tenant, file_id), media_type=JSONL_MEDIA_TYPE)
 
     @router.delete("/files/{file_id}")
-    def delete_file(tenant: Tenant, batches: Batches, file_id: FileId) -> dict[str, Any]:
+    def delete_file(tenant: Tenant, batches: Batches, file_id: FileId) -> FileDeleted:
         return batches.delete_file(tenant, file_id)
 
     @router.post("/batches", openapi_extra=BATCH_BODY)
-    async def create_batch(request: Request, tenant: Tenant, batches: Batches) -> dict[str, Any]:
+    async def create_batch(request: Request, tenant: Tenant, batches: Batches) -> Batch:
         body = await _create_batch_body(request, batches.settings.json_limits)
         _file_id(body.input_file_id)
         return await run_in_threadpool(
@@ -168,15 +195,15 @@ def openai_batch_router() -> APIRouter:
     @router.get("/batches")
     def list_batches(
         tenant: Tenant, batches: Batches, after: str | None = None, limit: Limit = 20
-    ) -> dict[str, Any]:
+    ) -> BatchList:
         return batches.list(tenant, _cursor(after, BATCH_ID_PATTERN), limit)
 
     @router.get("/batches/{batch_id}")
-    def get_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> dict[str, Any]:
+    def get_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> Batch:
         return batches.get(tenant, batch_id)
 
     @router.post("/batches/{batch_id}/cancel")
-    def cancel_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> dict[str, Any]:
+    def cancel_batch(tenant: Tenant, batches: Batches, batch_id: BatchId) -> Batch:
         return batches.cancel(tenant, batch_id)
 
     return router

@@ -3,13 +3,20 @@ error shape. A request uvicorn cannot parse (a garbage request line, a bad or re
 Content-Length with chunked, an oversized header block) never reaches the app: uvicorn answers it
 with a 400 of its own, plain text. These protocol classes answer the same 400 as
 `{"error": {"message", "type", "param", "code"}}`, and still close the connection (after a framing
-error nothing more on it can be trusted)."""
+error nothing more on it can be trusted).
+
+httptools is installed with uvicorn[standard] (a dependency), so `freight api` runs
+FreightHttpToolsProtocol; the h11 fallback runs only where httptools cannot be installed. h11 alone
+reads a request with both Content-Length and chunked Transfer-Encoding as chunked and keeps the
+connection (a request-smuggling vector, RFC 9112 section 6.1): the fallback refuses it as httptools does."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import h11
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from jobs.domain.errors import error_body
@@ -40,12 +47,33 @@ class FreightHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+class _StrictH11Connection(h11.Connection):
+    """h11's server connection that also refuses Content-Length together with Transfer-Encoding (see the
+    module's docstring), raised where h11 raises its own protocol errors, so uvicorn answers it the same way."""
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name.lower() for name, _value in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                raise h11.RemoteProtocolError("Content-Length together with Transfer-Encoding", error_status_hint=400)
+        return event
+
+
 class FreightH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with JSON 400s (the fallback without httptools)."""
 
-    def send_400_response(self, msg: str) -> None:
-        import h11
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        limit = config.h11_max_incomplete_event_size
+        self.conn = _StrictH11Connection(h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit)
 
+    def send_400_response(self, msg: str) -> None:
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            # The app has answered this request already (its body was still arriving): no second answer
+            # can be framed, so the connection is only closed (h11 would raise, and asyncio reset it).
+            self.transport.close()
+            return
         body = protocol_error_body(msg)
         headers = [
             (b"content-type", b"application/json"),

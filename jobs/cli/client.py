@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +44,18 @@ def _error_detail(response: httpx.Response) -> Any:
     return body.get("error", body) if isinstance(body, dict) else body
 
 
+def _params(params: JobParams | dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """The params JSON of a submission: `params` with `fields` over it."""
+    payload = params.model_dump(exclude_unset=True) if isinstance(params, JobParams) else dict(params or {})
+    payload.update(fields)
+    return payload
+
+
 def _job_body(
     file: str | Path | bytes | pa.Table, params: JobParams | dict[str, Any] | None, fields: dict[str, Any]
 ) -> dict[str, Any]:
     """The multipart body of a submission (and of a quote): the Parquet file and the params JSON."""
-    if isinstance(params, JobParams):
-        payload = params.model_dump(exclude_unset=True)
-    else:
-        payload = dict(params or {})
-    payload.update(fields)
+    payload = _params(params, fields)
     if isinstance(file, pa.Table):
         sink = io.BytesIO()
         pq.write_table(file, sink)
@@ -110,6 +113,18 @@ class FreightClient:
     ) -> dict[str, Any]:
         """Upload a Parquet file (path, bytes or an Arrow table) with job params; returns the job."""
         return self._request("POST", "/v1/jobs", **_job_body(file, params, param_fields)).json()
+
+    def submit_by_reference(
+        self,
+        uris: str | Sequence[str],
+        params: JobParams | dict[str, Any] | None = None,
+        **param_fields: Any,
+    ) -> dict[str, Any]:
+        """Submit a job whose input stays in its bucket: one or more s3:// URIs (a file, a folder ending
+        in "/", or a glob in the last segment), read in place by the service; returns the job."""
+        uri_list = [uris] if isinstance(uris, str) else list(uris)
+        payload = {"input_uris": uri_list, "params": _params(params, param_fields)}
+        return self._request("POST", "/v1/jobs/by-reference", json=payload).json()
 
     def quote(
         self,

@@ -77,6 +77,12 @@ def run_locally(args: argparse.Namespace, params: JobParams) -> int:
 
 def cost_summary(job_id: str, status: str, m: dict[str, Any]) -> str:
     total = m["prompt_tokens"] + m["output_tokens"]
+    # rows reused from the result cache (docs/result-cache.md), when there are any
+    reused = (
+        [f"result cache: {m['cached_rows']} rows reused, {m['saved_device_seconds']:.1f} device-seconds saved"]
+        if m.get("cached_rows")
+        else []
+    )
     return "\n".join(
         [
             f"job {job_id} {status}: {m['rows']} rows ({m['rows_completed']} ok, {m['rows_failed']} errors) "
@@ -89,6 +95,7 @@ def cost_summary(job_id: str, status: str, m: dict[str, Any]) -> str:
             f"{m['preemptions']} preemptions, {m['padding_tokens']:,} padding tokens, "
             f"{m['computed_tokens']:,} computed tokens, {m['cached_prompt_tokens']:,} prompt tokens from the prefix cache, "
             f"{m['accepted_draft_tokens']:,} of {m['draft_tokens']:,} draft tokens accepted",
+            *reused,
         ]
     )
 
@@ -96,7 +103,7 @@ def cost_summary(job_id: str, status: str, m: dict[str, Any]) -> str:
 def local_report_html(job_id: str, settings: Settings | None = None) -> str:
     """The report of a job run here (`freight run` / `freight summarize`), from the embedded database
     (`freight report --local`)."""
-    from jobs.api.report import job_report_html
+    from jobs.domain.report import job_report_html
     from jobs.domain.service import LOCAL_TENANT, JobService
     from storage.blobs import BlobStore
     from storage.db import make_engine, make_session_factory

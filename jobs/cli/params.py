@@ -18,6 +18,8 @@ from jobs.domain.schemas import JobParams, job_params
 HAND_WRITTEN_FLAGS = {
     "metadata": "a mapping: --metadata KEY=VALUE, repeatable",
 }
+# Shorter names a generated flag is also known by.
+FLAG_ALIASES = {"completion_window": ("--window",)}
 # Fields of the summarize task, under their own heading in `freight run` / `freight submit`.
 SUMMARIZE_TASK_FIELDS = ("task", "column", "style", "long_documents", "id_column")
 
@@ -66,7 +68,7 @@ def add_field_flag(target: Any, name: str, help: str | None = None) -> None:
         options["help"] = f"{options['help'] or name} (repeatable)"
     elif kind is not str:
         raise TypeError(f"JobParams.{name}: no flag for {info.annotation}; write it by hand")
-    target.add_argument(flag_name(name), **options)
+    target.add_argument(flag_name(name), *FLAG_ALIASES.get(name, ()), **options)
 
 
 def add_field_flags(target: Any, names: tuple[str, ...], help: dict[str, str] | None = None) -> None:

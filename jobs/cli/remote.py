@@ -29,7 +29,11 @@ def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Calla
         return parser
 
     submit = remote("submit", "submit a Parquet job to the service", cmd_submit)
-    submit.add_argument("file")
+    submit.add_argument(
+        "file",
+        nargs="+",
+        help="the Parquet file to upload, or s3:// URIs the service reads in place (files, a folder/ or a glob)",
+    )
     submit.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar")
     submit.add_argument("-o", "--output", help="with --wait: download the results here")
     add_job_param_args(submit)
@@ -86,7 +90,7 @@ def _print_json(value: Any) -> None:
 def cmd_submit(args: argparse.Namespace) -> int:
     params = params_dict_from_args(args)
     with _client(args) as client:
-        job = _call(lambda: client.submit(args.file, params))
+        job = _call(lambda: _submit(client, args.file, params))
         if not args.wait:
             _print_json(job)
             return 0
@@ -97,6 +101,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
             _call(lambda: client.download_results(job["id"], Path(args.output)))
             print(f"results: {args.output}", file=sys.stderr)
         return 0 if job["status"] == "completed" else 1
+
+
+def _submit(client: FreightClient, inputs: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    """An upload of one local file, or a submission by reference of URIs (the service decides which it
+    may read: a file:// or http:// URI is sent too, and refused there with the reason)."""
+    uris = [item for item in inputs if "://" in item]
+    if uris and len(uris) < len(inputs):
+        raise CLIError("name either one local file to upload or only URIs (s3://...), not both")
+    if uris:
+        return client.submit_by_reference(uris, params)
+    if len(inputs) > 1:
+        raise CLIError(f"{len(inputs)} local files: upload one file per job (or name s3:// URIs)")
+    return client.submit(inputs[0], params)
 
 
 def cmd_quote(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from jobs.domain.openai_batch import LineError, error_line, jsonl, output_line
+from jobs.domain.openai_objects import BatchRequestOutput
 from jobs.domain.service import JobService
 from storage import job_store, openai_store
 from storage.arrow_path import parquet_file
@@ -123,7 +124,9 @@ class BatchFiles:
             self.blobs.delete(file["blob_name"])
         return False
 
-    def _lines(self, row: OpenAIBatch, job: Job | None, status: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _lines(
+        self, row: OpenAIBatch, job: Job | None, status: str
+    ) -> Iterator[tuple[str, BatchRequestOutput]]:
         """("output" | "error", line) for every request of the batch: refused lines first, then the
         job's rows in row order."""
         for error in map(LineError.from_dict, row.line_errors):

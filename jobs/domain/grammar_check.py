@@ -1,15 +1,16 @@
 """Whether the grammar engine accepts a structured-output constraint, asked at submission, within a budget.
 
 The domain and the API never import torch, and xgrammar imports it; so one long-lived child process per
-checker runs `python -m worker.engine.grammar_check` (the engine's own grammar construction) and answers
-over pipes. Started on the first constrained submission; answers are cached by constraint. Where the child
-cannot start (xgrammar missing), the check says nothing (`None`) and the worker still fails such a row
-alone, with the same reason.
+checker runs the `freight-grammar-check` command (an entry point declared in pyproject.toml: the engine's
+own grammar construction) and answers over pipes. Started on the first constrained submission; answers are
+cached by constraint. Where the child cannot start (xgrammar missing, the package not installed), the
+check says nothing (`None`) and the worker still fails such a row alone, with the same reason.
 
 Budget (docs/input-rules.md): one submission may spend `FREIGHT_GRAMMAR_BUDGET_SECONDS` on its checks, all
-of them together (`SubmissionGrammar`). A constraint whose compilation does not finish in what is left is
+of them together (`SubmissionGrammar`): the engine's time, so waiting for the child to (re)start or for
+another submission's check is not counted. A constraint whose compilation does not finish in what is left is
 refused (422, "over the time budget"), never waved through; the stuck child is killed and a fresh one
-started at once in the background, so the next submission does not wait for a whole start. Each distinct
+started at once in the background, so the next submission waits only for what is left of that start. Each distinct
 constraint is asked at most once per submission, and a schema's patterns are asked as the regexes they
 are, so a pattern is refused exactly when the same bare `regex` would be.
 """
@@ -18,19 +19,22 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from jobs.domain.constraint_limits import schema_patterns
 from jobs.domain.structured_spec import StructuredSpec
 
 log = logging.getLogger(__name__)
 
-CHECK_MODULE = "worker.engine.grammar_check"
+CHECK_COMMAND = "freight-grammar-check"  # [project.scripts] in pyproject.toml
 START_TIMEOUT_S = 60.0  # the child imports torch and xgrammar
 ANSWER_TIMEOUT_S = 10.0
 CACHE_ENTRIES = 1024
@@ -46,6 +50,24 @@ class OverBudget(Exception):
     """The child did not answer within the time it was given."""
 
 
+@dataclass(frozen=True)
+class Checked:
+    """An answer of the checker: the engine's refusal or None, and the seconds the engine worked on it
+    (0 for a cached answer). Waiting for the child to start, or for another submission's check to end,
+    is not the constraint's work and is not counted."""
+
+    refusal: str | None
+    engine_s: float
+
+
+def check_command() -> list[str]:
+    """The grammar check's command: the entry point installed with this Python (its scripts folder, so a
+    virtual environment need not be activated), else the one on PATH. Not installed (a checkout that was
+    never `pip install`ed): a name that fails to start, so the check says nothing, with a warning."""
+    beside = Path(sys.executable).with_name(CHECK_COMMAND)
+    return [str(beside) if beside.is_file() else shutil.which(CHECK_COMMAND) or CHECK_COMMAND]
+
+
 def over_budget_message(spec: StructuredSpec, seconds: float) -> str:
     return (
         f"{spec.kind} could not be checked within the time budget ({seconds:g} s, "
@@ -58,7 +80,7 @@ class GrammarChecker:
     `ask(spec, timeout)` is the same with a deadline: OverBudget when the engine takes longer."""
 
     def __init__(self, command: list[str] | None = None) -> None:
-        self._command = command or [sys.executable, "-m", CHECK_MODULE]
+        self._command = command or check_command()
         self._process: subprocess.Popen[str] | None = None
         self._ready: threading.Event | None = None  # set once the child's ready line came (or it failed)
         self._ready_ok = False
@@ -75,20 +97,27 @@ class GrammarChecker:
     def ask(self, spec: StructuredSpec, timeout: float, *, cache_timeout: bool = True) -> str | None:
         """The engine's refusal, None (accepted, or no child to ask), or OverBudget. An over-budget answer
         given the full `timeout` is cached as a refusal (`cache_timeout`): the next ask is instant."""
+        return self.check(spec, timeout, cache_timeout=cache_timeout).refusal
+
+    def check(
+        self, spec: StructuredSpec, timeout: float, *, cache_timeout: bool = True, budget_s: float | None = None
+    ) -> Checked:
+        """`ask`, with the engine's time: `timeout` bounds the engine's work only. `budget_s`: the budget a
+        cached over-budget refusal names (else `timeout`)."""
         key = (spec.kind, json.dumps(spec.value))
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return Checked(self._cache[key], 0.0)
             try:
                 answer = self._ask({"kind": spec.kind, "value": spec.value}, timeout)
             except _NoAnswer:
-                return None
+                return Checked(None, 0.0)
             except OverBudget:
                 if cache_timeout:
-                    self._remember(key, over_budget_message(spec, timeout))
+                    self._remember(key, over_budget_message(spec, budget_s or timeout))
                 raise
-            self._remember(key, answer)
+            self._remember(key, answer.refusal)
             return answer
 
     def close(self) -> None:
@@ -102,13 +131,14 @@ class GrammarChecker:
 
     # -- the child process (called under the lock) ------------------------------------------------------
 
-    def _ask(self, request: dict, timeout: float) -> str | None:
+    def _ask(self, request: dict, timeout: float) -> Checked:
         process = self._started()
+        started = time.monotonic()  # after the start: only the engine's work is timed
         try:
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
             line = _read_line(process, timeout)
-            return json.loads(line)["refusal"]
+            return Checked(json.loads(line)["refusal"], time.monotonic() - started)
         except TimeoutError as exc:
             log.warning("grammar check over its budget of %.1f s; restarting its process", timeout)
             self._stop()
@@ -169,14 +199,14 @@ class GrammarChecker:
 
 
 class SubmissionGrammar:
-    """The grammar check of one submission: a `GrammarRefusal` that spends at most `budget_s` seconds in
-    all, asks each distinct constraint once, and asks a schema's patterns as regexes. Without a checker
+    """The grammar check of one submission: a `GrammarRefusal` that spends at most `budget_s` seconds of
+    the engine's time in all, asks each distinct constraint once, and asks a schema's patterns as regexes. Without a checker
     (FREIGHT_GRAMMAR_CHECK=0) it says nothing, as the checker does when its child cannot run."""
 
     def __init__(self, checker: GrammarChecker | None, budget_s: float) -> None:
         self.checker = checker
         self.budget_s = budget_s
-        self.deadline = time.monotonic() + budget_s
+        self.spent = 0.0  # the engine's seconds on this submission's constraints (Checked.engine_s)
         self.asked: dict[tuple[str, str], str | None] = {}
         self.compiled = 0  # constraints sent to the checker (tests count them)
 
@@ -201,15 +231,23 @@ class SubmissionGrammar:
         return self.asked[key]
 
     def _ask(self, spec: StructuredSpec) -> str | None:
-        left = self.deadline - time.monotonic()
+        # The engine's time, not the wall clock: a submission that waits for the checker's (re)start, or
+        # for another tenant's check holding it, is not refused for that wait.
+        left = self.budget_s - self.spent
         if left <= 0:
             return over_budget_message(spec, self.budget_s)
         self.compiled += 1
         try:
-            # Only an answer given the whole budget is remembered beyond this submission.
-            return self.checker.ask(spec, left, cache_timeout=left >= self.budget_s * 0.99)
+            # Only an over-budget answer given (nearly) the whole budget is remembered beyond this
+            # submission; a schema's patterns, asked first, take a little of it.
+            checked = self.checker.check(
+                spec, left, cache_timeout=left >= self.budget_s * 0.9, budget_s=self.budget_s
+            )
         except OverBudget:
+            self.spent = self.budget_s
             return over_budget_message(spec, self.budget_s)
+        self.spent += checked.engine_s
+        return checked.refusal
 
 
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:

@@ -13,7 +13,7 @@ from jobs.domain.settings import Settings
 from storage.attempt_store import attempt_totals, attempted_shards
 from storage.job_store import request_counts, seconds_between
 from storage.models import Job, Shard, utcnow
-from storage.result_store import token_sums
+from storage.result_store import cached_sums, token_sums
 from storage.shard_store import shards_of
 from storage.summary_store import summary_counts
 
@@ -21,6 +21,7 @@ from storage.summary_store import summary_counts
 SUMMED_STATS = (
     "steps", "computed_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens",
     "padding_tokens", "preemptions", "batch_size_sum", "busy_seconds",
+    "saved_device_seconds",  # what the rows reused from the result cache cost when they first ran
 )
 
 
@@ -70,6 +71,7 @@ def compute_metrics(
         "shards": len(shards),
         "execution": _execution(shards),
         **_summary_metrics(session, job),
+        **_cache_metrics(session, job, totals),
     }
 
 
@@ -121,4 +123,16 @@ def _summary_metrics(session: Session, job: Job) -> dict[str, int]:
         "documents_split": counts.documents_split,
         "windows": counts.windows,
         "reduce_requests": counts.reduce_requests,
+    }
+
+
+def _cache_metrics(session: Session, job: Job, totals: dict[str, float]) -> dict[str, Any]:
+    """Rows reused from the tenant's result cache instead of run (docs/result-cache.md), and what they
+    saved: their tokens, and the engine time they cost when they first ran."""
+    rows, prompt_tokens, output_tokens = cached_sums(session, job_id=job.id)
+    return {
+        "cached_rows": rows,
+        "saved_prompt_tokens": prompt_tokens,
+        "saved_output_tokens": output_tokens,
+        "saved_device_seconds": round(totals["saved_device_seconds"], 4),
     }

@@ -1,10 +1,11 @@
 """The OpenAI Batch input file (JSONL, one request a line) as the rows of one Freight job, and the
-lines of the output and error files. Pure: no database, no files, no HTTP.
+lines of the output and error files (openai_objects.py). Pure: no database, no files, no HTTP.
 
-A line is `{"custom_id", "method": "POST", "url", "body"}`; its body takes the chat/completions fields
-Freight runs (model, messages or prompt, max_tokens / max_completion_tokens, temperature, top_p, seed,
-stop, n = 1, response_format text / json_object / json_schema: structured_spec.py). A problem of one line is that line's error (it goes to the
-batch's error file); the other lines run. Sampling values are checked by the job's own rules
+A line is `{"custom_id", "method": "POST", "url", "body"}` (BatchRequestInput); its body takes the
+chat/completions fields Freight runs (model, messages or prompt, max_tokens / max_completion_tokens,
+temperature, top_p, seed, stop, n = 1, response_format text / json_object / json_schema:
+structured_spec.py). A problem of one line is that line's error (it goes to the batch's error file); the
+other lines run. Sampling values are checked by the job's own rules
 (`JobParams` through `job_params`, then the service's `resolve`), so a line is refused for exactly
 what a native job is refused for.
 """
@@ -23,6 +24,20 @@ import pyarrow.parquet as pq
 from jobs.domain.errors import InputError, clip, clip_repr
 from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.json_limits import JsonLimits, JsonRefused, parse_json
+from jobs.domain.openai_objects import (
+    BatchLineError,
+    BatchRequestInput,
+    BatchRequestOutput,
+    BatchResponse,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    Completion,
+    CompletionChoice,
+    CompletionUsage,
+    ErrorBody,
+    ErrorDetail,
+)
 from jobs.domain.schemas import JobParams, job_params
 from jobs.domain.structured_spec import STRUCTURED_COLUMNS, StructuredSpec, as_columns, from_response_format
 from jobs.domain.text_rule import repaired
@@ -31,7 +46,6 @@ from jobs.domain.validation import MAX_CUSTOM_ID_CHARS
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
-COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 MAX_NAMED_LINE_ERRORS = 100  # `errors` of a failed batch name at most this many lines
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -255,7 +269,9 @@ def _parse_line(
     body = line.get("body")
     if not isinstance(body, dict):
         _fail(number, custom_id, f"body must be a JSON object, not {_json_type(body)}", "body")
-    return _parse_body(number, custom_id, body, endpoint, check)
+    # Checked above field by field, each problem in words; what passed is the typed line.
+    request = BatchRequestInput(custom_id=custom_id, method="POST", url=endpoint, body=body)
+    return _parse_body(number, request, check)
 
 
 def _json_type(value: Any) -> str:
@@ -264,13 +280,10 @@ def _json_type(value: Any) -> str:
 
 
 def _parse_body(
-    number: int,
-    custom_id: str,
-    body: dict[str, Any],
-    endpoint: str,
-    check: Callable[[JobParams], object] | None,
+    number: int, line: BatchRequestInput, check: Callable[[JobParams], object] | None
 ) -> BatchRequest:
-    chat = endpoint == CHAT_ENDPOINT
+    custom_id, body = line.custom_id, line.body
+    chat = line.url == CHAT_ENDPOINT
     allowed = CHAT_FIELDS if chat else COMPLETIONS_FIELDS
     for name, value in body.items():
         if name in allowed:
@@ -418,75 +431,63 @@ def output_line(
     finish_reason: str,
     prompt_tokens: int,
     output_tokens: int,
-) -> dict[str, Any]:
+) -> BatchRequestOutput:
     """One line of the output file: a 200 response with a chat.completion or text_completion body."""
-    request_id = _request_id(batch_id, row_index)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": output_tokens,
-        "total_tokens": prompt_tokens + output_tokens,
-    }
+    total = prompt_tokens + output_tokens
+    usage = CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens, total_tokens=total)
     suffix = batch_id.removeprefix("batch_")
+    body: ChatCompletion | Completion
     if endpoint == CHAT_ENDPOINT:
-        body = {
-            "id": f"chatcmpl-{suffix}-{row_index}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage,
-        }
+        message = ChatCompletionMessage(content=text)
+        body = ChatCompletion(
+            id=f"chatcmpl-{suffix}-{row_index}",
+            created=created,
+            model=model,
+            choices=[ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)],
+            usage=usage,
+        )
     else:
-        body = {
-            "id": f"cmpl-{suffix}-{row_index}",
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage,
-        }
-    return {
-        "id": f"batch_req_{suffix}_{row_index}",
-        "custom_id": custom_id,
-        "response": {"status_code": 200, "request_id": request_id, "body": body},
-        "error": None,
-    }
+        body = Completion(
+            id=f"cmpl-{suffix}-{row_index}",
+            created=created,
+            model=model,
+            choices=[CompletionChoice(text=text, index=0, finish_reason=finish_reason)],
+            usage=usage,
+        )
+    return BatchRequestOutput(
+        id=f"batch_req_{suffix}_{row_index}",
+        custom_id=custom_id,
+        response=BatchResponse(status_code=200, request_id=_request_id(batch_id, row_index), body=body),
+        error=None,
+    )
 
 
 def error_line(
     *, batch_id: str, key: str, custom_id: str | None, code: str, message: str, status_code: int | None
-) -> dict[str, Any]:
+) -> BatchRequestOutput:
     """One line of the error file. A refused line carries a 400 response (as OpenAI answers a bad
     request); a row that failed, was cancelled or expired carries no response."""
-    suffix = batch_id.removeprefix("batch_")
     response = None
     if status_code is not None:
-        response = {
-            "status_code": status_code,
-            "request_id": _request_id(batch_id, key),
-            "body": {
-                "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-            },
-        }
-    return {
-        "id": f"batch_req_{suffix}_{key}",
-        "custom_id": custom_id,
-        "response": response,
-        "error": {"code": code, "message": message},
-    }
+        detail = ErrorDetail(message=message, type="invalid_request_error", code=code)
+        response = BatchResponse(
+            status_code=status_code, request_id=_request_id(batch_id, key), body=ErrorBody(error=detail)
+        )
+    return BatchRequestOutput(
+        id=f"batch_req_{batch_id.removeprefix('batch_')}_{key}",
+        custom_id=custom_id,
+        response=response,
+        error=BatchLineError(code=code, message=message),
+    )
 
 
 def _request_id(batch_id: str, key: int | str) -> str:
     return f"req_{batch_id.removeprefix('batch_')}_{key}"
 
 
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
+def jsonl(lines: list[BatchRequestOutput]) -> bytes:
     # repaired: a stored value that breaks the text rule is written with U+FFFD, never a failed file
-    return b"".join(json.dumps(repaired(line), ensure_ascii=False).encode("utf-8") + b"\n" for line in lines)
+    return b"".join(
+        json.dumps(repaired(line.model_dump(mode="json")), ensure_ascii=False).encode("utf-8") + b"\n"
+        for line in lines
+    )

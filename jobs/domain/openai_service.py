@@ -1,6 +1,8 @@
 """The OpenAI-compatible Batch API over the job machinery: files (stored in the blob store), and
 batches, each of which is one Freight job (one JSONL line = one row) submitted through
 JobService.submit, so validation, sharding, crash safety and cost metrics are the native ones.
+BatchService has this one role: it holds a JobService for the job lifecycle (submit, view, cancel,
+results) and answers with OpenAI's objects (openai_objects.py); JobService knows nothing of batches.
 
 One source of truth: a batch's status and timestamps are read from its job (status and events,
 storage/status.py JOB_TRANSITIONS); the batch row holds only what the job does not (endpoint, input
@@ -17,20 +19,33 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from datetime import datetime, timedelta
-from typing import Any, BinaryIO
+from datetime import datetime
+from typing import BinaryIO
 
 from sqlalchemy.orm import Session
 
 from jobs.domain.batch_files import BatchFiles, shown_status
+from jobs.domain.deadline import window_length
 from jobs.domain.errors import Conflict, InputError, NotFound, clip_repr
 from jobs.domain.openai_batch import (
-    COMPLETION_WINDOWS,
     ENDPOINTS,
     MAX_NAMED_LINE_ERRORS,
     LineError,
     ParsedBatch,
     parse_batch_file,
+)
+from jobs.domain.openai_objects import (
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchList,
+    BatchRequestCounts,
+    BatchUsage,
+    FileDeleted,
+    FileList,
+    FileObject,
+    InputTokensDetails,
+    OutputTokensDetails,
 )
 from jobs.domain.schemas import job_params
 from jobs.domain.service import JobService
@@ -43,27 +58,27 @@ from storage.status import CANCELLABLE_JOB_STATUSES, JobStatus
 
 INPUT_PURPOSE = "batch"
 MAX_FILENAME_CHARS = 1024
-Errors = list[dict[str, Any]] | None  # why a batch failed (its `errors`), None for a batch with a job
+Errors = list[BatchError] | None  # why a batch failed (its `errors`), None for a batch with a job
 # Adds the batch row (job id, refused lines, errors) to the session's transaction, not committing it.
 StoreBatch = Callable[[Session, str | None, list[LineError], Errors], None]
 
 
-def _ts(moment: datetime | None) -> int | None:
-    return None if moment is None else int(as_utc(moment).timestamp())
+def _ts(moment: datetime) -> int:
+    return int(as_utc(moment).timestamp())
 
 
-def file_object(row: OpenAIFile) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "object": "file",
-        "bytes": row.bytes,
-        "created_at": _ts(row.created_at),
-        "filename": repaired(row.filename),
-        "purpose": row.purpose,
-        "status": "processed",
-        "status_details": None,
-        "expires_at": None,
-    }
+def _ts_or_none(moment: datetime | None) -> int | None:
+    return None if moment is None else _ts(moment)
+
+
+def file_object(row: OpenAIFile) -> FileObject:
+    return FileObject(
+        id=row.id,
+        bytes=row.bytes,
+        created_at=_ts(row.created_at),
+        filename=repaired(row.filename),
+        purpose=row.purpose,
+    )
 
 
 class BatchService:
@@ -76,7 +91,7 @@ class BatchService:
 
     # ---- files ---------------------------------------------------------------------------------
 
-    def upload(self, tenant: str, source: BinaryIO, filename: str | None, purpose: str) -> dict[str, Any]:
+    def upload(self, tenant: str, source: BinaryIO, filename: str | None, purpose: str) -> FileObject:
         if purpose != INPUT_PURPOSE:
             raise InputError(
                 f"purpose {clip_repr(purpose)} is not supported; upload batch input files with purpose "
@@ -116,7 +131,7 @@ class BatchService:
             raise NotFound(f"no file {file_id!r}")
         return row
 
-    def get_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+    def get_file(self, tenant: str, file_id: str) -> FileObject:
         with self.sessions() as session:
             return file_object(self._file(session, tenant, file_id))
 
@@ -124,7 +139,7 @@ class BatchService:
         with self.sessions() as session:
             return self.blobs.arrow(self._file(session, tenant, file_id).blob_name)
 
-    def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> dict[str, Any]:
+    def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> FileList:
         with self.sessions() as session:
             try:
                 rows, has_more = openai_store.list_files(
@@ -132,16 +147,16 @@ class BatchService:
                 )
             except LookupError as exc:
                 raise InputError(str(exc), field="after") from exc
-            return _page([file_object(row) for row in rows], has_more)
+            return FileList.of([file_object(row) for row in rows], has_more)
 
-    def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+    def delete_file(self, tenant: str, file_id: str) -> FileDeleted:
         with self.sessions() as session:
             row = self._file(session, tenant, file_id)
             name = row.blob_name
             if not openai_store.delete_file(session, file_id, tenant):
                 raise NotFound(f"no file {file_id!r}")
         self.blobs.delete(name)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return FileDeleted(id=file_id, deleted=True)
 
     # ---- batches -------------------------------------------------------------------------------
 
@@ -153,13 +168,13 @@ class BatchService:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, str] | None,
-    ) -> dict[str, Any]:
+    ) -> Batch:
         if endpoint not in ENDPOINTS:
             raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
-        if completion_window not in COMPLETION_WINDOWS:
-            raise InputError(
-                f"completion_window must be one of {list(COMPLETION_WINDOWS)}", field="completion_window"
-            )
+        try:  # OpenAI takes "24h" only; Freight takes any window its jobs take ("1h", "7d"), and schedules by it
+            window = window_length(completion_window)
+        except ValueError as exc:
+            raise InputError(str(exc), field="completion_window") from None
         metadata = job_params({"metadata": metadata or {}}).metadata  # the job's metadata rules
         with self.sessions() as session:
             source = openai_store.get_file(session, input_file_id, tenant)
@@ -187,13 +202,13 @@ class BatchService:
                 completion_window=completion_window,
                 metadata=metadata,
                 created_at=created_at,
-                expires_at=created_at + timedelta(seconds=COMPLETION_WINDOWS[completion_window]),
+                expires_at=created_at + window,
                 line_errors=[error.as_dict() for error in line_errors],
-                errors=errors,
+                errors=None if errors is None else [error.model_dump() for error in errors],
                 commit=False,
             )
 
-        failed = self._submit(tenant, data, endpoint, store)
+        failed = self._submit(tenant, data, endpoint, completion_window, store)
         if failed is not None:  # no job: the failed batch's row alone, final at once, with its error file
             with self.sessions() as session:
                 store(session, None, *failed)
@@ -202,7 +217,7 @@ class BatchService:
         return self.get(tenant, batch_id)
 
     def _submit(
-        self, tenant: str, data: bytes, endpoint: str, store: StoreBatch
+        self, tenant: str, data: bytes, endpoint: str, completion_window: str, store: StoreBatch
     ) -> tuple[list[LineError], Errors] | None:
         """Make the good lines one job, stored with its batch row (`store`) in one transaction: None.
         When no job is made: (refused lines, errors of the failed batch), nothing stored."""
@@ -212,15 +227,17 @@ class BatchService:
                 data, endpoint, self.jobs.resolver(), grammar, self.settings.json_limits
             )
         except InputError as exc:
-            return [], [{"code": "invalid_file", "message": exc.message, "param": exc.field, "line": None}]
+            return [], [BatchError(code="invalid_file", message=exc.message, param=exc.field)]
         if not parsed.requests:
             named = [
-                {"code": error.code, "message": error.message, "param": error.param, "line": error.line}
+                BatchError(code=error.code, message=error.message, param=error.param, line=error.line)
                 for error in parsed.errors[:MAX_NAMED_LINE_ERRORS]
             ]
             return parsed.errors, named
         # chat outputs are bounded by the context alone: this model's (the registry's, or the default)
         params = parsed.job_params(chat_max_tokens=self.jobs.served(parsed.model).context_len - 1)
+        # the batch's window is its job's deadline: shards are scheduled by it (docs/scheduling.md)
+        params = params.model_copy(update={"completion_window": completion_window})
         try:
             self.jobs.submit(
                 tenant,
@@ -232,7 +249,7 @@ class BatchService:
         except InputError as exc:
             row = exc.row
             line = parsed.requests[row].line if row is not None and 0 <= row < len(parsed.requests) else None
-            return parsed.errors, [{"code": "invalid_file", "message": exc.message, "param": None, "line": line}]
+            return parsed.errors, [BatchError(code="invalid_file", message=exc.message, line=line)]
         return None
 
     def _batch(self, session: Session, tenant: str, batch_id: str) -> OpenAIBatch:
@@ -241,19 +258,19 @@ class BatchService:
             raise NotFound(f"no batch {batch_id!r}")
         return row
 
-    def get(self, tenant: str, batch_id: str) -> dict[str, Any]:
+    def get(self, tenant: str, batch_id: str) -> Batch:
         with self.sessions() as session:
             return self._view(session, tenant, self._batch(session, tenant, batch_id))
 
-    def list(self, tenant: str, after: str | None, limit: int) -> dict[str, Any]:
+    def list(self, tenant: str, after: str | None, limit: int) -> BatchList:
         with self.sessions() as session:
             try:
                 rows, has_more = openai_store.list_batches(session, tenant, after=after, limit=limit)
             except LookupError as exc:
                 raise InputError(str(exc), field="after") from exc
-            return _page([self._view(session, tenant, row) for row in rows], has_more)
+            return BatchList.of([self._view(session, tenant, row) for row in rows], has_more)
 
-    def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
+    def cancel(self, tenant: str, batch_id: str) -> Batch:
         with self.sessions() as session:
             row = self._batch(session, tenant, batch_id)
             if row.job_id is None:
@@ -267,7 +284,7 @@ class BatchService:
 
     # ---- the batch object ----------------------------------------------------------------------
 
-    def _view(self, session: Session, tenant: str, row: OpenAIBatch) -> dict[str, Any]:
+    def _view(self, session: Session, tenant: str, row: OpenAIBatch) -> Batch:
         """The batch object, read only: nothing here writes (files and expiry are the worker's and the
         recovery sweep's)."""
         job = job_store.get_job(session, row.job_id, tenant=tenant) if row.job_id else None
@@ -277,57 +294,55 @@ class BatchService:
             for event in job_store.events(session, job.id):
                 entered.setdefault(event.status, event.at)
         finished = job.finished_at if job is not None else row.created_at
-        counts = {"total": len(row.line_errors), "completed": 0, "failed": len(row.line_errors)}
+        refused = len(row.line_errors)  # lines that never became rows: failed requests
+        counts = BatchRequestCounts(total=refused, completed=0, failed=refused)
         usage = None
         if job is not None:
-            view = self.jobs.view(session, job)
-            counts["total"] += view.request_counts.total
-            counts["completed"] += view.request_counts.completed
-            counts["failed"] += view.request_counts.failed
+            rows = self.jobs.view(session, job).request_counts
+            counts = BatchRequestCounts(
+                total=refused + rows.total, completed=rows.completed, failed=refused + rows.failed
+            )
             metrics = self.jobs.metrics(tenant, job.id)
-            usage = {
-                "input_tokens": metrics["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": metrics.get("cached_prompt_tokens", 0)},
-                "output_tokens": metrics["output_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": metrics["prompt_tokens"] + metrics["output_tokens"],
-            }
+            cached = metrics.get("cached_prompt_tokens", 0)
+            usage = BatchUsage(
+                input_tokens=metrics["prompt_tokens"],
+                input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                output_tokens=metrics["output_tokens"],
+                output_tokens_details=OutputTokensDetails(),
+                total_tokens=metrics["prompt_tokens"] + metrics["output_tokens"],
+            )
         expired = row.expired_at is not None
-        return {
-            "id": row.id,
-            "object": "batch",
-            "endpoint": row.endpoint,
-            "model": job.model if job is not None else None,
-            "input_file_id": row.input_file_id,
-            "output_file_id": row.output_file_id,
-            "error_file_id": row.error_file_id,
-            "completion_window": row.completion_window,
-            "status": status,
-            "created_at": _ts(row.created_at),
-            "in_progress_at": _ts(entered.get(JobStatus.QUEUED)),
-            "expires_at": _ts(row.expires_at),
-            "finalizing_at": _ts(entered.get(JobStatus.FINALIZING)),
-            "completed_at": _ts(finished) if status == "completed" else None,
-            "failed_at": _ts(finished) if status == "failed" else None,
-            "expired_at": _ts(row.expired_at) if expired else None,
-            "cancelling_at": None if expired else _ts(entered.get(JobStatus.CANCELLING)),
-            "cancelled_at": _ts(finished) if status == "cancelled" else None,
-            "request_counts": counts,
-            "usage": usage,
-            # Stored values are rendered whatever they hold (text_rule.repaired): a read never fails on them.
-            "metadata": repaired(row.batch_metadata),
-            "errors": {"object": "list", "data": repaired(row.errors)} if row.errors else None,
-        }
 
+        def final_at(when: str) -> int | None:
+            return _ts_or_none(finished) if status == when else None
 
-def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+        # Stored values are rendered whatever they hold (text_rule.repaired): a read never fails on them.
+        errors = None
+        if row.errors:
+            errors = BatchErrors(data=[BatchError.model_validate(error) for error in repaired(row.errors)])
+        return Batch(
+            id=row.id,
+            endpoint=row.endpoint,
+            model=job.model if job is not None else None,
+            errors=errors,
+            input_file_id=row.input_file_id,
+            completion_window=row.completion_window,
+            status=status,
+            output_file_id=row.output_file_id,
+            error_file_id=row.error_file_id,
+            created_at=_ts(row.created_at),
+            in_progress_at=_ts_or_none(entered.get(JobStatus.QUEUED)),
+            expires_at=_ts(row.expires_at),
+            finalizing_at=_ts_or_none(entered.get(JobStatus.FINALIZING)),
+            completed_at=final_at("completed"),
+            failed_at=final_at("failed"),
+            expired_at=_ts_or_none(row.expired_at),
+            cancelling_at=None if expired else _ts_or_none(entered.get(JobStatus.CANCELLING)),
+            cancelled_at=final_at("cancelled"),
+            request_counts=counts,
+            usage=usage,
+            metadata=repaired(row.batch_metadata),
+        )
 
 
 def expire_if_due(session: Session, row: OpenAIBatch, job_status: str, now: datetime) -> bool:

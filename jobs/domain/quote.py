@@ -7,20 +7,44 @@ from __future__ import annotations
 
 import math
 import tempfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, Protocol
 
 from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.domain.deadline import job_deadline, missed_by
 from jobs.domain.errors import InputError
-from jobs.domain.schemas import JobParams
-from jobs.domain.service import JobService
+from jobs.domain.grammar_check import GrammarRefusal, SubmissionGrammar
+from jobs.domain.schemas import JobParams, ResolvedParams
+from jobs.domain.served_models import ServedModel
+from jobs.domain.settings import Settings
 from jobs.domain.throughput import Fit, Rates, fit_rates
+from jobs.domain.validation import ValidatedInput
 from storage.arrow_path import ArrowPath
 from storage.blobs import UploadTooLarge
 from storage.models import utcnow
+from storage.priority import at_or_above
 from storage.profile_store import backlog_rows, profiles_of, worker_processes
+
+
+class SubmissionChecks(Protocol):
+    """What a quote needs of the job service (jobs/domain/service.py, which prices submissions with
+    `estimate` below, so this module does not import it): the submission's own checks."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+
+    def grammar_session(self) -> SubmissionGrammar: ...
+
+    def checked_params(
+        self, params: JobParams, grammar: GrammarRefusal | None
+    ) -> tuple[ResolvedParams, ServedModel]: ...
+
+    def check_input(
+        self, where: ArrowPath, resolved: ResolvedParams, served: ServedModel, grammar: GrammarRefusal | None
+    ) -> tuple[ValidatedInput, list[list[int]]]: ...
 
 # The API has no tokenizer (it never loads torch or the model's files: tests/test_architecture.py), so
 # prompt tokens are estimated from characters at the usual ~4 characters per BPE token of English text;
@@ -41,7 +65,10 @@ class ThroughputOut(BaseModel):
 
 
 class QueueOut(BaseModel):
-    backlog_rows: int = Field(description="rows of the model's queued and running jobs not finished yet")
+    backlog_rows: int = Field(
+        description="rows of the model's queued and running jobs not finished yet, in the job's priority "
+        "class and those above it"
+    )
     backlog_device_seconds: float | None
     workers: int = Field(description="worker processes the ETA divides the work among")
     workers_source: Literal["observed", "setting"] = Field(
@@ -77,41 +104,72 @@ class JobQuote(BaseModel):
     cost_usd: float | None
     queue: QueueOut
     eta_seconds: float | None = Field(description="from now until the job's last shard is done, estimated")
+    deadline: datetime | None = Field(None, description="when the job would be due (its completion window)")
+    deadline_met: bool | None = Field(
+        None, description="whether the ETA is within the deadline; null without a deadline or an ETA"
+    )
+    deadline_warning: str | None = Field(None, description="why the ETA misses the deadline")
 
 
 class QuoteService:
-    def __init__(self, jobs: JobService) -> None:
+    def __init__(self, jobs: SubmissionChecks) -> None:
         self.jobs = jobs
         self.settings = jobs.settings
 
     def quote(self, upload: BinaryIO, params: JobParams) -> JobQuote:
         jobs = self.jobs
+        now = utcnow()
+        due = job_deadline(completion_window=params.completion_window, deadline=params.deadline, now=now)
         grammar = jobs.grammar_session()
         resolved, served = jobs.checked_params(params, grammar)
         with tempfile.TemporaryDirectory(prefix="freight-quote-") as scratch:
             local = Path(scratch) / "input.parquet"
             _copy_limited(upload, local, self.settings.max_upload_bytes)
             validated, shards = jobs.check_input(ArrowPath.local(local), resolved, served, grammar)
-        since = utcnow() - timedelta(seconds=self.settings.shard_lease_seconds)
-        with jobs.sessions() as session:
-            rates = fit_rates(profiles_of(session, model=resolved.model))
-            backlog = backlog_rows(session, model=resolved.model)
-            seen_workers = worker_processes(session, model=resolved.model, since=since)
-        rows_to_run = validated.num_rows - validated.null_or_empty_rows
-        prompt_chars = int(validated.prompt_chars.sum())
-        return price(
-            model=resolved.model,
-            rows=validated.num_rows,
-            rows_to_run=rows_to_run,
-            shards=len(shards),
-            prompt_chars=prompt_chars,
-            max_tokens=resolved.max_tokens,
-            rates=rates,
-            backlog=backlog,
-            seen_workers=seen_workers,
-            assumed_workers=self.settings.quote_assumed_workers,
-            device_hour_usd=self.settings.device_hour_usd,
+        quoted = estimate(
+            self.settings, jobs.sessions, resolved, validated, len(shards), priority=params.priority
         )
+        return with_deadline(quoted, due, now)
+
+
+def estimate(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    resolved: ResolvedParams,
+    validated: ValidatedInput,
+    shards: int,
+    *,
+    priority: str,
+) -> JobQuote:
+    """The quote of a validated job: the model's profile, and the backlog of its priority class and
+    those above it (lower classes wait for it: docs/scheduling.md)."""
+    since = utcnow() - timedelta(seconds=settings.shard_lease_seconds)
+    with sessions() as session:
+        rates = fit_rates(profiles_of(session, model=resolved.model))
+        backlog = backlog_rows(session, model=resolved.model, priorities=at_or_above(priority))
+        seen_workers = worker_processes(session, model=resolved.model, since=since)
+    return price(
+        model=resolved.model,
+        rows=validated.num_rows,
+        rows_to_run=validated.num_rows - validated.null_or_empty_rows,
+        shards=shards,
+        prompt_chars=int(validated.prompt_chars.sum()),
+        max_tokens=resolved.max_tokens,
+        rates=rates,
+        backlog=backlog,
+        seen_workers=seen_workers,
+        assumed_workers=settings.quote_assumed_workers,
+        device_hour_usd=settings.device_hour_usd,
+    )
+
+
+def with_deadline(quote: JobQuote, deadline: datetime | None, now: datetime) -> JobQuote:
+    """The quote with its verdict on `deadline` (unchanged without one)."""
+    if deadline is None:
+        return quote
+    warning = missed_by(deadline=deadline, eta_seconds=quote.eta_seconds, now=now)
+    met = None if quote.eta_seconds is None else warning is None
+    return quote.model_copy(update={"deadline": deadline, "deadline_met": met, "deadline_warning": warning})
 
 
 def price(

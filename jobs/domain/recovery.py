@@ -6,9 +6,12 @@ messages on two sweeps in a row, gets its task sent again; likewise a job stuck 
 A duplicate message is harmless: the shard's lease and its stored rows make a second run a no-op.
 Only jobs whose input file is in this API's data folder are swept (a deployment's own jobs).
 Jobs stuck in `validating` (an API that died mid-upload) are deleted with their files, and so are
-staged uploads (storage/blobs.py staging_name) older than an hour. OpenAI batches past their window are
-expired, and a final batch whose output and error files were not written (its worker died after the
-job's last move) gets them (jobs/domain/batch_files.py)."""
+staged uploads (storage/blobs.py staging_name) older than an hour. OpenAI batches past their window and
+jobs past their deadline are expired (cancelled, finished rows kept), and a final batch whose output and
+error files were not written (its worker died after the job's last move) gets them
+(jobs/domain/batch_files.py). A shard message is a ticket for any shard of its model
+(docs/scheduling.md), so a shard whose own message ran another may be re-sent: the spare message ends
+quietly."""
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class SweepReport:
     finalize_resent: list[str] = field(default_factory=list)
     abandoned_deleted: list[str] = field(default_factory=list)
     batches_expired: list[str] = field(default_factory=list)  # OpenAI batches past their window
+    jobs_expired: list[str] = field(default_factory=list)  # jobs past their deadline (docs/scheduling.md)
     batch_files_written: list[str] = field(default_factory=list)  # final batches whose files were missing
 
 
@@ -95,6 +99,7 @@ class Recovery:
             for name in self.blobs.stale("staging", ABANDONED_VALIDATION.total_seconds()):
                 self.blobs.delete(name)
             report.batches_expired = self._expire_batches(session, now)
+            report.jobs_expired = job_store.expire_overdue(session, now=now)
             report.batch_files_written = self._write_batch_files(session, now)
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
-from storage.arrow_path import ParquetSource, parquet_file
+from storage.arrow_path import parquet_file
+from storage.input_set import JobInput, input_schema, input_sources
 from storage.models import Job
 from storage.result_record import RESULT_ARROW_TYPES, RESULT_COLUMNS, ResultRecord
 from storage.result_store import iter_results, results_between
@@ -31,17 +32,22 @@ def write_partial_results(session: Session, job_id: str, out_path: Path) -> int:
     return written
 
 
-def write_final_results(session: Session, job: Job, job_input: ParquetSource, out_path: Path) -> int:
-    """Walk the input's custom_ids batch by batch and pair each row with its stored result."""
-    parquet = parquet_file(job_input)
-    has_custom_id = "custom_id" in parquet.schema_arrow.names
+def write_final_results(session: Session, job: Job, job_input: JobInput, out_path: Path) -> int:
+    """Walk the input's custom_ids batch by batch (file by file, for an input by reference) and pair each
+    row with its stored result."""
+    has_custom_id = "custom_id" in input_schema(job_input).names
     missing_reason = FinishReason.CANCELLED if job.cancel_requested else FinishReason.ERROR
     missing_error = "cancelled before this row ran" if job.cancel_requested else "no result was recorded"
     start = 0
-    with pq.ParquetWriter(out_path, RESULTS_SCHEMA) as writer:
-        for batch in parquet.iter_batches(
+    batches = (
+        batch
+        for source in input_sources(job_input)
+        for batch in parquet_file(source).iter_batches(
             batch_size=INPUT_BATCH_ROWS, columns=["custom_id"] if has_custom_id else []
-        ):
+        )
+    )
+    with pq.ParquetWriter(out_path, RESULTS_SCHEMA) as writer:
+        for batch in batches:
             stop = start + batch.num_rows
             custom_ids = batch.column("custom_id").to_pylist() if has_custom_id else None
             stored = results_between(session, job_id=job.id, start=start, stop=stop)

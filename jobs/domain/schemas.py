@@ -9,10 +9,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jobs.domain import structured_spec
+from jobs.domain.deadline import parse_deadline, window_length
 from jobs.domain.errors import InputError, clip
 from jobs.domain.structured_spec import StructuredSpec
 from jobs.domain.summarize_spec import LongDocuments, SummarizeSpec
 from jobs.domain.text_rule import tree_problem
+from storage.priority import DEFAULT_PRIORITY, PriorityName
 from storage.status import JobStatus
 
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
@@ -67,6 +69,12 @@ class JobParams(BaseModel):
         None, description="auto (the default from settings): W8A8 where it is measured faster, else none"
     )
     kv_cache_dtype: Literal["int8", "auto", "bfloat16", "float16", "float32"] | None = None
+    reuse_results: bool | None = Field(
+        None,
+        description="reuse the output of an earlier finished row of yours with the same model, numerics, "
+        "prompt tokens and sampling instead of running it (docs/result-cache.md); default: yes for greedy "
+        "and seeded rows, no for unseeded sampling",
+    )
     # The summarize task: the prompts are written for the user, long documents go through windows.
     task: Literal["generate", "summarize"] = Field(
         "generate", description="summarize: summarize the documents in `column`; no prompt needed"
@@ -91,6 +99,41 @@ class JobParams(BaseModel):
     choice: list[str] | None = Field(
         None, max_length=structured_spec.MAX_CHOICES, description="every output is one of these strings"
     )
+    # Scheduling (docs/scheduling.md): not stored in the resolved params but on the job itself.
+    priority: PriorityName = Field(
+        DEFAULT_PRIORITY, description="high, normal or low: shards of a higher class are run first"
+    )
+    completion_window: str | None = Field(
+        None, description='the job is due this long after submission: "30m", "1h", "24h", "7d" (at most 365d)'
+    )
+    deadline: str | None = Field(
+        None, description='the job is due at this ISO 8601 time with its offset, e.g. "2026-12-08T09:00:00Z"'
+    )
+    strict_deadline: bool = Field(
+        False, description="refuse the job (422) when its quote says it cannot meet its deadline"
+    )
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            window_length(value)  # raises ValueError with the accepted forms
+        return value
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_deadline(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> JobParams:
+        if self.completion_window is not None and self.deadline is not None:
+            raise ValueError("give completion_window or deadline, not both")
+        if self.strict_deadline and self.completion_window is None and self.deadline is None:
+            raise ValueError("strict_deadline needs a completion_window or a deadline")
+        return self
 
     @field_validator("json_schema", mode="before")
     @classmethod
@@ -167,6 +210,7 @@ class ResolvedParams(BaseModel):
     task: Literal["generate", "summarize"] = "generate"
     summarize: SummarizeSpec | None = None
     structured: StructuredSpec | None = None  # json_schema / regex / choice (structured_spec.py)
+    reuse_results: bool | None = None  # None: the default rule (jobs/domain/result_cache.py)
 
 
 class RequestCounts(BaseModel):
@@ -187,6 +231,12 @@ class JobObject(BaseModel):
     params: dict[str, Any]
     metadata: dict[str, str]
     error: str | None
+    priority: PriorityName = DEFAULT_PRIORITY
+    deadline: datetime | None = Field(None, description="when the job is due (from its completion window)")
+    deadline_warning: str | None = Field(
+        None, description="set at submission when the quote's ETA was past the deadline"
+    )
+    expired_at: datetime | None = Field(None, description="the deadline passed first: the job was cancelled")
 
 
 class JobList(BaseModel):
@@ -247,3 +297,9 @@ class JobMetrics(BaseModel):
     documents_split: int = Field(0, description="summarize: documents summarized through token windows")
     windows: int = Field(0, description="summarize: window requests (their tokens are in the totals)")
     reduce_requests: int = Field(0, description="summarize: requests that combined window summaries")
+    cached_rows: int = Field(0, description="rows reused from the tenant's result cache instead of run")
+    saved_prompt_tokens: int = Field(0, description="prompt tokens of the cached rows (not run)")
+    saved_output_tokens: int = Field(0, description="output tokens of the cached rows (not generated)")
+    saved_device_seconds: float = Field(
+        0.0, description="engine time the cached rows cost when they first ran (saved by reusing them)"
+    )

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.domain.deadline import job_deadline
 from jobs.domain.errors import Conflict, InputError, NotFound
 from jobs.domain.grammar_check import GrammarChecker, GrammarRefusal, SubmissionGrammar
+from jobs.domain.input_refs import check_reference
 from jobs.domain.metrics import compute_metrics
+from jobs.domain.quote import estimate, with_deadline
 from jobs.domain.results import write_partial_results
 from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
 from jobs.domain.served_models import ServedModel, served_model
@@ -25,9 +29,11 @@ from jobs.domain.validation import ValidatedInput, validate_parquet
 from storage import job_store, model_store
 from storage.arrow_path import ArrowPath
 from storage.blobs import BlobStore, UploadTooLarge, input_name, results_name, staging_name
+from storage.input_set import manifest_name
 from storage.models import Job, utcnow
 from storage.shard_store import shard_indices
 from storage.status import FINAL_JOB_STATUSES, JobStatus
+from storage.storage_url import s3_filesystem
 
 log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"  # the one tenant of the embedded database (`freight run`, `freight summarize`)
@@ -120,6 +126,7 @@ class JobService:
             quantization=None if quantization in (None, "none") else quantization,
             kv_cache_dtype=params.kv_cache_dtype or settings.kv_cache_dtype,
             structured=params.structured(),
+            reuse_results=params.reuse_results,
         )
         if resolved.structured is not None and grammar is not None:
             refused = grammar(resolved.structured)
@@ -161,9 +168,10 @@ class JobService:
         for the whole submission; a batch passes the one its lines were checked with). `with_job` adds rows
         made with the job (a batch's row; given the session and the job id) to the job's transaction."""
         grammar = grammar or self.grammar_session()
+        created_at = utcnow()
+        due = job_deadline(completion_window=params.completion_window, deadline=params.deadline, now=created_at)
         resolved, served = self._resolve(params, self.served, grammar)
         job_id = job_store.new_job_id()
-        created_at = utcnow()
         staged, name = staging_name(job_id), input_name(job_id)
         stored = False
         try:
@@ -172,6 +180,7 @@ class JobService:
             except UploadTooLarge as exc:
                 raise InputError(str(exc), status_code=413) from exc
             validated, shards = self.check_input(self.blobs.arrow(staged), resolved, served, grammar)
+            warning = self._deadline_warning(params, resolved, validated, len(shards), due)
             self.blobs.rename(staged, name)
             with self.sessions() as session:
                 job_store.create_queued_job(
@@ -186,6 +195,9 @@ class JobService:
                     num_rows=validated.num_rows,
                     shards=shards,
                     also=None if with_job is None else lambda session: with_job(session, job_id),
+                    priority=params.priority,
+                    deadline=due,
+                    deadline_warning=warning,
                 )
             stored = True
             self._dispatch(job_id, resolved.model, len(shards))
@@ -193,6 +205,68 @@ class JobService:
             self._undo_submission(job_id, resolved.model, stored)
             raise
         return self.get(tenant, job_id)
+
+    def submit_by_reference(self, tenant: str, uris: list[str], params: JobParams) -> JobObject:
+        """A job whose input stays where it is (s3:// URIs under FREIGHT_INPUT_ALLOW, docs/storage.md):
+        every check runs on the files in place before anything is stored; then the manifest of the files,
+        the job and its row-group shards are stored and the shard messages sent, or (on a failure) none."""
+        grammar = self.grammar_session()
+        created_at = utcnow()
+        due = job_deadline(completion_window=params.completion_window, deadline=params.deadline, now=created_at)
+        resolved, served = self._resolve(params, self.served, grammar)
+        checked = check_reference(
+            uris,
+            resolved,
+            served.context_len,
+            grammar,
+            allow=self.settings.input_allow,
+            filesystem=s3_filesystem(self.settings.s3_endpoint_url),
+            shard_size=self.settings.shard_size,
+        )
+        job_id = job_store.new_job_id()
+        stored = False
+        try:
+            self.blobs.write_text(manifest_name(job_id), checked.inputs.to_json())
+            with self.sessions() as session:
+                job_store.create_queued_job(
+                    session,
+                    job_id=job_id,
+                    tenant=tenant,
+                    model=resolved.model,
+                    params=resolved.model_dump(),
+                    metadata=params.metadata,
+                    input_name=manifest_name(job_id),
+                    created_at=created_at,
+                    num_rows=checked.num_rows,
+                    shards=[[] for _ in checked.pieces],
+                    priority=params.priority,
+                    deadline=due,
+                    pieces=checked.pieces,
+                )
+            stored = True
+            self._dispatch(job_id, resolved.model, len(checked.pieces))
+        except BaseException:
+            self._undo_submission(job_id, resolved.model, stored)
+            raise
+        return self.get(tenant, job_id)
+
+    def _deadline_warning(
+        self,
+        params: JobParams,
+        resolved: ResolvedParams,
+        validated: ValidatedInput,
+        shards: int,
+        due: datetime | None,
+    ) -> str | None:
+        """Why the job's quote misses its deadline (None: it meets it, or has none); with
+        strict_deadline the job is refused instead (422, before anything is stored)."""
+        if due is None:
+            return None
+        quote = estimate(self.settings, self.sessions, resolved, validated, shards, priority=params.priority)
+        quoted = with_deadline(quote, due, utcnow())
+        if quoted.deadline_warning is not None and params.strict_deadline:
+            raise InputError(f"strict_deadline: {quoted.deadline_warning}", field="deadline")
+        return quoted.deadline_warning
 
     def _dispatch(self, job_id: str, model: str, num_shards: int) -> None:
         if self.dispatcher is None:
@@ -249,6 +323,10 @@ class JobService:
             params=repaired(job.params),
             metadata=repaired(job.job_metadata),
             error=repaired(job.error),
+            priority=job.priority,
+            deadline=job.deadline,
+            deadline_warning=job.deadline_warning,
+            expired_at=job.expired_at,
         )
 
     def get(self, tenant: str, job_id: str) -> JobObject:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
 
 from platformdirs import user_cache_dir
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from jobs.domain.engine_settings import EngineSettings
+from jobs.domain.input_uris import parse_allow_list
 from jobs.domain.json_limits import JsonLimits
 from storage.blobs import BlobStore
 from storage.storage_url import endpoint_parts, parse_storage_url
@@ -19,7 +20,9 @@ def default_home() -> Path:
     return Path(user_cache_dir("freight"))
 
 
-class Settings(BaseSettings):
+class Settings(EngineSettings):
+    # The engine settings (dtype, quantization, max_num_seqs, ...) come from EngineSettings: derived from
+    # the engine's own options (jobs/domain/engine_options.py), they are not listed here.
     model_config = SettingsConfigDict(env_prefix="FREIGHT_", extra="ignore")
 
     home: Path = Field(
@@ -55,6 +58,12 @@ class Settings(BaseSettings):
         description="Endpoint of a non-AWS S3 service (MinIO, SeaweedFS, Ceph RGW, R2), `http(s)://host:port`. "
         "Unset: AWS S3.",
     )
+    input_allow: list[str] = Field(
+        default_factory=list,
+        description="What a job may name as its input by reference: `s3://bucket/prefix` entries (a JSON list in "
+        "the environment), read with the store's S3 settings above. A URI not under one of them, and any other "
+        "scheme, is refused with a 4xx. Empty: inputs by reference are disabled ([Job files](storage.md)).",
+    )
     shard_size: int = Field(
         1024,
         ge=1,
@@ -80,49 +89,12 @@ class Settings(BaseSettings):
         description="Models the API accepts (aliases or folder paths; a JSON list in the environment). "
         "Each has its own Celery queue, `<prefix>.<model>`.",
     )
-    quantization: str | None = Field(
-        "auto",
-        description="Engine default for weights: `auto` (the INT8 scheme measured fastest on the worker's machine "
-        "(`path_plan.py`), or none), `int8` (W8A8) or `none`.",
-    )
-    kv_cache_dtype: str = Field(
-        "int8",
-        description="Engine default KV-cache dtype: `int8` (per-token, per-head scales) or `auto` (the compute dtype).",
-    )
-    dtype: str = Field(
-        "auto",
-        description="Engine default compute dtype: `auto` (measured fastest at load), `float32`, `bfloat16` or "
-        "`float16`.",
-    )
-    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = Field(
-        "auto",
-        description="CPU INT8 GEMM: `auto` (measured), `onednn`, `int_mm` or `amx` (Freight's own tile GEMM, CPUs "
-        "with AMX-INT8; the same integers as the small-batch path, so its outputs equal `onednn`'s). Where two "
-        "backends measure alike the pick, and with it the exact tokens, can differ between machines or fresh "
-        "calibrations: pin it to rule that out.",
-    )
-    kv_cache_memory_gb: float = Field(2.0, description="KV-cache pool of a worker's engine on CPU, in GB.")
-    max_num_seqs: int = Field(256, description="Most sequences in one engine step.")
-    max_num_batched_tokens: int = Field(
-        4096, description="Most tokens in one engine step (decode rows plus prefill chunks)."
-    )
     max_model_len: int | None = Field(
         None,
         ge=2,
         description="Cap on every model's context, in tokens. Unset: each model's own (its "
         "`max_position_embeddings`, as a worker recorded it in the model registry; 2,048 for a model not "
         "recorded yet); see `jobs/domain/served_models.py`.",
-    )
-    num_threads: int | None = Field(None, description="torch threads of a worker. Unset: torch's default.")
-    enable_prefix_caching: bool = Field(
-        True,
-        description="Share the KV blocks of common prompt prefixes (an engine optimisation, on by default; off "
-        "only to measure what it brings).",
-    )
-    enable_speculation: bool = Field(
-        True,
-        description="Prompt-lookup speculative decoding (an engine optimisation, on by default; off only to "
-        "measure what it brings).",
     )
     grammar_check: bool = Field(
         True,
@@ -207,6 +179,22 @@ class Settings(BaseSettings):
         description="Workers a quote's ETA assumes for a model when no worker process has written a shard "
         "attempt of that model within the last shard lease (Postgres sees busy workers only, not idle ones).",
     )
+    fair_share: bool = Field(
+        True,
+        description="Share a model's workers between tenants queued at one priority class in proportion to "
+        "`FREIGHT_TENANT_WEIGHTS` ([Scheduling](scheduling.md)). Off: earliest deadline, then submission order.",
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description='Fair-share weight per tenant, a JSON object such as `{"acme": 2}`; a tenant not named '
+        "weighs 1.",
+    )
+    fair_share_window_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="Fair share counts a tenant's running shards plus those it finished within this many "
+        "seconds (so one worker alternates between tenants too).",
+    )
 
     @field_validator("storage_url")
     @classmethod
@@ -222,10 +210,19 @@ class Settings(BaseSettings):
             endpoint_parts(value)
         return value
 
-    @field_validator("quantization", mode="before")
+    @field_validator("tenant_weights")
     @classmethod
-    def _none_means_off(cls, value: object) -> object:
-        return None if isinstance(value, str) and value.lower() in ("", "none", "off") else value
+    def _weights_positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for tenant, weight in value.items():
+            if not weight > 0:
+                raise ValueError(f"the weight of tenant {tenant!r} must be above 0, not {weight}")
+        return value
+
+    @field_validator("input_allow")
+    @classmethod
+    def _input_allow_known(cls, value: list[str]) -> list[str]:
+        parse_allow_list(value)  # a mistyped entry fails when the settings load
+        return value
 
     @cached_property
     def resolved_database_url(self) -> str:

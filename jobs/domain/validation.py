@@ -61,6 +61,11 @@ def validate_parquet(
     params: ResolvedParams,
     max_model_len: int,
     grammar: GrammarRefusal | None = None,  # the submission's grammar check (grammar_check.py)
+    *,
+    # An input by reference: each batch's custom_id hashes go here, and the caller finds duplicates over
+    # all the files (input_refs.py), in 8 bytes a row rather than a set of the ids themselves.
+    id_hashes: list[np.ndarray] | None = None,
+    keep_prompt_chars: bool = True,  # False: sharding needs no row lengths (an input by reference)
 ) -> ValidatedInput:
     parquet = open_parquet(where)
     schema = parquet.schema_arrow
@@ -100,25 +105,20 @@ def validate_parquet(
                 check_arrow_text(batch.column(name), name, offset, allow_nul=allow_nul)
             chars = _prompt_chars(batch, source)
             empty_rows += int(np.count_nonzero(chars == 0))
-            lengths.append(chars)
+            if keep_prompt_chars:
+                lengths.append(chars)
             for name in overrides:
                 _check_override_values(name, batch.column(name), offset, params, max_model_len)
             check_column_values(batch, structured, offset, grammar)
             if has_custom_id:
-                _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates)
+                _check_custom_ids(batch.column("custom_id"), offset, seen_ids, duplicates, id_hashes)
             offset += batch.num_rows
     except (pa.ArrowException, OSError) as exc:
         raise InputError(
             f"could not read the Parquet data near row {offset}: {exc}", status_code=400
         ) from exc
     if duplicates:
-        named = ", ".join(repr(value) for value in duplicates[:MAX_NAMED_DUPLICATES])
-        more = (
-            f" and {len(duplicates) - MAX_NAMED_DUPLICATES} more"
-            if len(duplicates) > MAX_NAMED_DUPLICATES
-            else ""
-        )
-        raise InputError(f"custom_id must be unique; repeated: {named}{more}", column="custom_id")
+        raise duplicate_ids_error(duplicates)
     return ValidatedInput(
         num_rows=offset,
         prompt_chars=np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64),
@@ -200,7 +200,17 @@ def _check_override_values(
         )
 
 
-def _check_custom_ids(column: pa.Array, offset: int, seen: set[str], duplicates: list[str]) -> None:
+def duplicate_ids_error(duplicates: list[str]) -> InputError:
+    named = ", ".join(repr(value) for value in duplicates[:MAX_NAMED_DUPLICATES])
+    more = (
+        f" and {len(duplicates) - MAX_NAMED_DUPLICATES} more" if len(duplicates) > MAX_NAMED_DUPLICATES else ""
+    )
+    return InputError(f"custom_id must be unique; repeated: {named}{more}", column="custom_id")
+
+
+def _check_custom_ids(
+    column: pa.Array, offset: int, seen: set[str], duplicates: list[str], hashes: list[np.ndarray] | None
+) -> None:
     if column.null_count:
         row = offset + int(np.argmax(pc.is_null(column).to_numpy(zero_copy_only=False)))
         raise InputError(f"row {row}: custom_id is null", row=row, column="custom_id")
@@ -212,6 +222,10 @@ def _check_custom_ids(column: pa.Array, offset: int, seen: set[str], duplicates:
             row=row,
             column="custom_id",
         )
+    if hashes is not None:
+        values = column.to_pylist()
+        hashes.append(np.fromiter(map(hash, values), dtype=np.int64, count=len(values)))
+        return
     for value in column.to_pylist():
         if value in seen:
             duplicates.append(value)

@@ -71,13 +71,13 @@ def submit_batch(batches: BatchService) -> tuple[str, str]:
     uploaded = batches.upload(TENANT, io.BytesIO(data), "in.jsonl", "batch")
     batch = batches.create(
         TENANT,
-        input_file_id=uploaded["id"],
+        input_file_id=uploaded.id,
         endpoint="/v1/chat/completions",
         completion_window="24h",
         metadata={},
     )
     with batches.sessions() as session:
-        return batch["id"], openai_store.get_batch(session, batch["id"], TENANT).job_id
+        return batch.id, openai_store.get_batch(session, batch.id, TENANT).job_id
 
 
 def run_shards(jobs: JobService, job_id: str) -> None:
@@ -135,7 +135,7 @@ def read_file(batches: BatchService, file_id: str) -> list[dict[str, Any]]:
 def test_the_files_exist_once_the_job_is_final_and_a_get_writes_nothing(jobs: JobService) -> None:
     batches = BatchService(jobs)
     batch_id, job_id = submit_batch(batches)
-    assert batches.get(TENANT, batch_id)["output_file_id"] is None  # running: no files yet
+    assert batches.get(TENANT, batch_id).output_file_id is None  # running: no files yet
     run_shards(jobs, job_id)
     ctx = WorkerContext(settings=jobs.settings, sessions=jobs.sessions, blobs=jobs.blobs)
     assert finalize.finalize_job(ctx, job_id) == "completed"
@@ -151,12 +151,12 @@ def test_the_files_exist_once_the_job_is_final_and_a_get_writes_nothing(jobs: Jo
     writes = Writes(jobs)
     views: list[dict[str, Any]] = []
     statements, files_changed = writes.during(
-        lambda: views.extend([batches.get(TENANT, batch_id), *batches.list(TENANT, None, 100)["data"]])
+        lambda: views.extend([batches.get(TENANT, batch_id), *batches.list(TENANT, None, 100).data])
     )
     assert statements == [] and not files_changed
-    shown = [view for view in views if view["id"] == batch_id]
-    assert len(shown) == 2 and all(view["status"] == "completed" for view in shown)
-    assert all((v["output_file_id"], v["error_file_id"]) == (output_file_id, error_file_id) for v in shown)
+    shown = [view for view in views if view.id == batch_id]
+    assert len(shown) == 2 and all(view.status == "completed" for view in shown)
+    assert all((v.output_file_id, v.error_file_id) == (output_file_id, error_file_id) for v in shown)
 
 
 def test_a_batch_whose_worker_died_before_its_files_is_finalizing_until_the_sweep_writes_them(
@@ -173,7 +173,7 @@ def test_a_batch_whose_worker_died_before_its_files_is_finalizing_until_the_swee
     views: list[dict[str, Any]] = []
     statements, files_changed = Writes(jobs).during(lambda: views.append(batches.get(TENANT, batch_id)))
     assert statements == [] and not files_changed  # the read does not write them either
-    assert views[0]["status"] == "finalizing" and views[0]["output_file_id"] is None
+    assert views[0].status == "finalizing" and views[0].output_file_id is None
 
     dispatcher = CeleryDispatcher(env.settings)
     recovery = Recovery(env.settings, jobs.sessions, jobs.blobs, dispatcher)
@@ -192,5 +192,5 @@ def test_a_batch_whose_worker_died_before_its_files_is_finalizing_until_the_swee
         recovery.close()
         dispatcher.app.close()
     done = batches.get(TENANT, batch_id)
-    assert done["status"] == "completed"
-    assert [item["custom_id"] for item in read_file(batches, done["output_file_id"])] == ["a0", "a2"]
+    assert done.status == "completed"
+    assert [item["custom_id"] for item in read_file(batches, done.output_file_id)] == ["a0", "a2"]

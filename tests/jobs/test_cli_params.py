@@ -13,6 +13,8 @@ from jobs.cli.summarize import summarize_params
 from jobs.domain.errors import InputError
 from jobs.domain.schemas import JobParams, job_params
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 # JobParams fields deliberately without a flag in `freight run` / `freight submit` (none today).
 NO_FLAG: dict[str, str] = {}
 SUMMARIZE_FLAGS = ("model", "column", "style", "template", "max_tokens", "long_documents", "id_column")

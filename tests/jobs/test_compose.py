@@ -10,6 +10,8 @@ import yaml
 
 from jobs.cli.main import build_parser
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 
 

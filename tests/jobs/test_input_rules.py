@@ -30,6 +30,8 @@ from jobs.domain.structured_spec import StructuredSpec, from_params
 from jobs.domain.text_rule import check_arrow_text, repaired, text_problem, tree_problem
 from jobs.domain.validation import validate_parquet
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 LIMITS = JsonLimits()
 FAST = settings(max_examples=60, deadline=None)
 
@@ -206,7 +208,7 @@ def test_other_structural_limits() -> None:
 
 # ---- the grammar check's budget ---------------------------------------------------------------
 
-# A stand-in for `python -m worker.engine.grammar_check`: "slow" constraints take 30 s, regexes with
+# A stand-in for `freight-grammar-check`: "slow" constraints take 30 s, regexes with
 # "bad" are refused, and every request it gets is appended to a log, so a test can count compilations.
 FAKE_CHILD = textwrap.dedent(
     """

@@ -8,17 +8,22 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from openai.types import Completion as SdkCompletion
+from openai.types.chat import ChatCompletion as SdkChatCompletion
 
 from jobs.domain.errors import InputError
 from jobs.domain.openai_batch import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
     error_line,
+    jsonl,
     output_line,
     parse_batch_file,
 )
 from jobs.domain.service import JobService
 from jobs.domain.settings import Settings
+
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
 
 MODEL = "smollm2-135m"
 
@@ -174,31 +179,42 @@ def test_file_level_problems_raise() -> None:
 
 
 def test_output_and_error_lines_have_the_openai_shape() -> None:
-    line = output_line(
-        batch_id="batch_" + "0" * 32,
-        row_index=3,
-        custom_id="q",
-        endpoint=CHAT_ENDPOINT,
-        model=MODEL,
-        created=1,
-        text="Hello",
-        finish_reason="length",
-        prompt_tokens=5,
-        output_tokens=2,
-    )
-    assert line["custom_id"] == "q" and line["error"] is None and line["response"]["status_code"] == 200
-    body = line["response"]["body"]
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "Hello"
-    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["total_tokens"] == 7
-    error = error_line(
-        batch_id="batch_" + "0" * 32,
-        key="7",
-        custom_id="r",
-        code="batch_cancelled",
-        message="m",
-        status_code=None,
-    )
-    assert error["response"] is None and error["error"] == {"code": "batch_cancelled", "message": "m"}
+    """The lines as written to the files: each body parses as the `openai` SDK's own type."""
+    lines = [
+        output_line(
+            batch_id="batch_" + "0" * 32,
+            row_index=3,
+            custom_id="q",
+            endpoint=endpoint,
+            model=MODEL,
+            created=1,
+            text="Hello",
+            finish_reason="length",
+            prompt_tokens=5,
+            output_tokens=2,
+        )
+        for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+    ]
+    errors = (("7", "r", "batch_cancelled", None), ("line2", None, "x", 400))  # cancelled row, refused line
+    lines += [
+        error_line(batch_id="batch_" + "0" * 32, key=key, custom_id=custom_id, code=code, message="m",
+                   status_code=status_code)
+        for key, custom_id, code, status_code in errors
+    ]  # fmt: skip
+    chat, completion, cancelled, refused = (json.loads(text) for text in jsonl(lines).decode().splitlines())
+    assert list(chat) == ["id", "custom_id", "response", "error"]
+    assert chat["custom_id"] == "q" and chat["error"] is None and chat["response"]["status_code"] == 200
+    body = SdkChatCompletion.model_validate(chat["response"]["body"])
+    assert body.object == "chat.completion" and body.choices[0].message.content == "Hello"
+    assert body.choices[0].finish_reason == "length" and body.usage.total_tokens == 7
+    text = SdkCompletion.model_validate(completion["response"]["body"])
+    assert text.object == "text_completion" and text.choices[0].text == "Hello"
+    assert text.usage.prompt_tokens == 5
+    assert cancelled["response"] is None and cancelled["error"] == {"code": "batch_cancelled", "message": "m"}
+    assert refused["custom_id"] is None and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"] == {
+        "message": "m", "type": "invalid_request_error", "param": None, "code": "x"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

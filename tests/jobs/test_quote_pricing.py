@@ -10,6 +10,8 @@ import pytest
 from jobs.domain.quote import CHARS_PER_TOKEN, price
 from jobs.domain.throughput import fit_rates
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 
 @dataclass
 class Row:

@@ -18,6 +18,8 @@ from storage import job_store, openai_store
 from storage.blobs import BlobStore, input_name
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, utcnow
+from storage.result_record import ResultRecord
+from storage.result_store import insert_results, stored_row_indices
 from storage.shard_store import claim_shard, finish_shard
 from storage.status import JobStatus, ShardStatus
 
@@ -144,3 +146,19 @@ def test_a_batch_past_its_window_expires_on_a_sweep_with_nobody_reading_it(recov
         assert job_store.job_status(session, job_id) == JobStatus.CANCELLING  # finished rows are kept
         assert job_store.job_status(session, on_time_job) == JobStatus.QUEUED
     assert recovery.sweep().batches_expired == []  # once
+
+
+def test_a_job_past_its_deadline_expires_on_a_sweep_keeping_its_finished_rows(recovery: Recovery) -> None:
+    job_id = old_job(recovery, shards=2)
+    with recovery.sessions() as session:  # one shard done, then the deadline passes
+        assert claim_shard(session, job_id, 0, "w:1:1", 60) == "claimed"
+        insert_results(session, [ResultRecord.failed(0, "r0", "a stored row").stored(job_id=job_id, shard_index=0)])
+        assert finish_shard(session, job_id, 0, "w:1:1", ShardStatus.DONE, None)
+        session.execute(update(Job).where(Job.id == job_id).values(deadline=utcnow() - timedelta(seconds=1)))
+        session.commit()
+    assert recovery.sweep().jobs_expired == [job_id]
+    with recovery.sessions() as session:
+        job = job_store.get_job(session, job_id)
+        assert (job.status, job.cancel_requested) == (JobStatus.CANCELLING, True) and job.expired_at is not None
+        assert stored_row_indices(session, job_id, [0, 1]) == {0}
+    assert recovery.sweep().jobs_expired == []  # once

@@ -15,6 +15,8 @@ from jobs.domain.schemas import ResolvedParams
 from jobs.domain.sharding import cut_shards
 from jobs.domain.validation import validate_parquet
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 MAX_LEN = 512
 
 

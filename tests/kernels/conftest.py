@@ -3,10 +3,10 @@ CPU tensors (`interpret`), and the Triton kernel compiled on CUDA (marker `cuda`
 
 The interpreter works only if TRITON_INTERPRET=1 is set before triton is first imported. This conftest sets
 it (unless the environment already sets it; scripts/gpu_check.sh runs `TRITON_INTERPRET=0` to compile for
-the GPU), which is early enough when `pytest tests/kernels --confcutdir=tests/kernels` runs alone. In the
-full suite tests/conftest.py imports transformers first, which imports triton through torch._dynamo; the
-`interpret` cases then skip here and test_triton_subprocess.py runs them in a fresh process with the
-variable set from the start. Setting TRITON_INTERPRET=1 at the top of tests/conftest.py, or in the
+the GPU), which is early enough when tests/kernels runs alone or after tests that import no torch (the unit
+lane). In the full suite the modules collected before this folder (tests/jobs) import transformers first,
+which imports triton through torch._dynamo; the `interpret` cases then skip here and
+test_triton_subprocess.py runs them in a fresh process with the variable set from the start. Setting TRITON_INTERPRET=1 at the top of tests/conftest.py, or in the
 environment, makes them run in-process instead.
 """
 

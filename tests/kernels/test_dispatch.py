@@ -24,6 +24,8 @@ from kernels import (
 )
 from kernels._dispatch import select_backend
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 int8_linear = importlib.import_module("kernels.int8_linear")  # the package's `int8_linear` is the op
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE = 4, 2, 64, 8, 16

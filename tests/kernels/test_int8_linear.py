@@ -4,12 +4,8 @@ import pytest
 import torch
 
 from kernels import int8_linear, quantize_per_token, quantize_weight_per_channel
-from kernels.int8_linear import (
-    int8_linear_torch,
-    int8_linear_triton,
-    quantize_per_token_torch,
-    quantize_per_token_triton,
-)
+from kernels.int8_linear import int8_linear_torch, int8_linear_triton, quantize_per_token_triton
+from kernels.quantize import quantize_per_token_torch
 from kernels.reference import int8_linear_reference, quantize_reference
 from tests.kernels.helpers import BACKENDS, needs_cuda
 

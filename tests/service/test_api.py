@@ -84,6 +84,7 @@ def test_submit_records_the_job_and_enqueues_one_task_per_shard(
         "output_tokens",
         "finish_reason",
         "error",
+        "cached",
     ]
     metrics = client.metrics(job["id"])
     assert metrics["rows"] == 10 and metrics["prompt_tokens"] == 0 and metrics["shards"] == 3

@@ -170,7 +170,7 @@ def test_a_batch_whose_row_cannot_be_stored_leaves_no_job(
     monkeypatch.setattr(openai_store, "add_batch", after_original(openai_store, "add_batch"))
     with pytest.raises(Injected):
         batches.create(
-            TENANT, input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h", metadata={}
+            TENANT, input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={}
         )
     monkeypatch.undo()
     leftovers.assert_none()
@@ -197,7 +197,7 @@ def test_a_batch_whose_messages_cannot_be_sent_leaves_no_batch(
     inject("second shard message", monkeypatch, service)
     with pytest.raises(Exception) as caught:
         batches.create(
-            TENANT, input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h", metadata={}
+            TENANT, input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={}
         )
     assert caught.value.__class__.__name__ == "BrokerUnavailable", repr(caught.value)
     monkeypatch.undo()

@@ -134,7 +134,7 @@ def test_a_shard_that_outlives_the_visibility_timeout_runs_once(
     away (it looks again later and finds the shard done), so the shard runs once."""
     first, second = workers.ensure(2)
     table = staggered_table(4, (1900, 1900, 1900, 1900))  # one shard of 2.8 s (fast VM) to 5 s
-    job = fault_client.submit(table, max_tokens=8)
+    job = fault_client.submit(table, max_tokens=8, reuse_results=False)  # run, not reused from the cache
     done = fault_client.wait(job["id"], poll_seconds=0.2, timeout=120)
     assert done["status"] == "completed", done
     assert_one_result_per_row(fault_client, job["id"], table)
@@ -149,7 +149,7 @@ def test_sigkill_mid_shard_resumes_from_the_rows_already_stored(
 ) -> None:
     workers.ensure(2)
     table = staggered_table(12)  # 3 shards of 4; each shard's rows finish seconds apart
-    job = fault_client.submit(table, max_tokens=8)
+    job = fault_client.submit(table, max_tokens=8, reuse_results=False)  # run, not reused from the cache
     victim_shard = wait_for(lambda: db.running_shard(job["id"]), 60, "a shard half done")
     victim = workers.by_pid(victim_shard.owner_pid)
     sigkill(victim)
@@ -187,7 +187,7 @@ def test_sigterm_hands_the_shard_back_without_losing_rows(
 ) -> None:
     workers.ensure(2)
     table = staggered_table(8)
-    job = fault_client.submit(table, max_tokens=8)
+    job = fault_client.submit(table, max_tokens=8, reuse_results=False)  # run, not reused from the cache
     # Two rows still to go, so the stop lands before the shard could finish on its own.
     shard = wait_for(lambda: db.running_shard(job["id"], most_stored=2), 60, "a shard half done")
     stopping = workers.by_pid(shard.owner_pid)
@@ -219,7 +219,7 @@ def test_terminated_database_connections_mid_job(
     (API and worker) for a few seconds."""
     (worker,) = workers.ensure(1)
     table = staggered_table(8, (200, 500, 800, 1100))
-    job = fault_client.submit(table, max_tokens=8)
+    job = fault_client.submit(table, max_tokens=8, reuse_results=False)  # run, not reused from the cache
     wait_for(lambda: db.stored_rows(job["id"]) > 0, 60, "the first rows")
     database = fault_env.settings.resolved_database_url.rsplit("/", 1)[1]
     test_db_url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{database}"

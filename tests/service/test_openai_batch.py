@@ -2,19 +2,24 @@
 Redis, a real `freight worker`, and Postgres: files.create, batches.create / retrieve / list / cancel,
 files.content of the output and error files; the outputs match a native job's on the same prompts
 (greedy); bad lines go to the error file; expiry and cancel keep what finished; another tenant sees
-nothing; an oversize file is refused. (That a read writes nothing is tests/jobs/test_batch_files.py.)"""
+nothing; an oversize file is refused; the OpenAPI page shows OpenAI's objects field for field. (That a
+read writes nothing is tests/jobs/test_batch_files.py.)"""
 
 from __future__ import annotations
 
 import io
 import json
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import get_args
 
+import httpx
 import openai
 import pyarrow as pa
 import pytest
 from openai import OpenAI
+from openai.types import Batch, BatchError, BatchRequestCounts, BatchUsage, FileDeleted, FileObject
+from pydantic import BaseModel
 from sqlalchemy import select, update
 
 from jobs.cli.client import FreightClient
@@ -99,11 +104,13 @@ def test_chat_batch_matches_the_native_job(
     batch = sdk.batches.create(
         input_file_id=uploaded.id,
         endpoint="/v1/chat/completions",
-        completion_window="24h",
+        completion_window="7d",  # beyond OpenAI's 24h: the batch's job is scheduled by it
         metadata={"purpose": "openai-e2e"},
     )
     assert batch.status in ("in_progress", "finalizing", "completed") and batch.object == "batch"
-    assert batch.metadata == {"purpose": "openai-e2e"} and batch.expires_at == batch.created_at + 24 * 3600
+    assert batch.metadata == {"purpose": "openai-e2e"} and batch.expires_at == batch.created_at + 7 * 86400
+    dues = [datetime.fromisoformat(job["deadline"]).timestamp() for job in client.iter_jobs() if job["deadline"]]
+    assert any(abs(due - batch.expires_at) <= 2 for due in dues), (dues, batch.expires_at)  # the batch's job
     done = wait_final(sdk, batch.id)
     assert done.status == "completed", done
     assert (
@@ -296,7 +303,7 @@ def test_bad_requests_are_4xx(sdk: OpenAI, service_env: ServiceEnv) -> None:
     with pytest.raises(openai.UnprocessableEntityError):
         sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.UnprocessableEntityError):
-        sdk.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="1h")
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="soon")
     with pytest.raises(openai.NotFoundError):
         sdk.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.UnprocessableEntityError):
@@ -331,6 +338,49 @@ def test_another_tenant_sees_nothing(sdk: OpenAI, other_sdk: OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError):
         other_sdk.batches.list(after=batch.id)
     assert sdk.files.retrieve(file_id).id == file_id  # still there for its owner
+
+
+def test_the_openapi_page_shows_openais_objects(api_url: str, sdk: OpenAI) -> None:
+    """/openapi.json: each route answers one of OpenAI's objects, whose schema has the `openai` SDK's
+    fields (every one the SDK requires required), and a batch as served has exactly those fields."""
+    spec = httpx.get(f"{api_url}/openapi.json", timeout=30).raise_for_status().json()
+    schemas = spec["components"]["schemas"]
+
+    def answer(path: str, method: str) -> dict:
+        ref = spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    def same_fields(schema: dict, sdk_type: type[BaseModel]) -> None:
+        assert set(schema["properties"]) == set(sdk_type.model_fields), schema["title"]
+        required = {name for name, field in sdk_type.model_fields.items() if field.is_required()}
+        assert required <= set(schema.get("required", ())), schema["title"]
+
+    batch, file = answer("/v1/batches/{batch_id}", "get"), answer("/v1/files/{file_id}", "get")
+    same_fields(batch, Batch)
+    same_fields(file, FileObject)
+    assert answer("/v1/batches", "post") == answer("/v1/batches/{batch_id}/cancel", "post") == batch
+    assert answer("/v1/files", "post") == file
+    same_fields(answer("/v1/files/{file_id}", "delete"), FileDeleted)
+    same_fields(schemas["BatchRequestCounts"], BatchRequestCounts)
+    same_fields(schemas["BatchUsage"], BatchUsage)
+    same_fields(schemas["BatchError"], BatchError)
+    assert set(batch["properties"]["status"]["enum"]) == set(get_args(Batch.model_fields["status"].annotation))
+    assert set(file["properties"]["purpose"]["enum"]) == set(get_args(FileObject.model_fields["purpose"].annotation))
+    for path, item in (("/v1/batches", batch), ("/v1/files", file)):
+        page = answer(path, "get")
+        assert set(page["properties"]) == {"object", "data", "first_id", "last_id", "has_more"}
+        assert page["properties"]["data"]["items"]["$ref"].endswith("/" + item["title"])
+    content = spec["paths"]["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
+    lines = {option["$ref"].rsplit("/", 1)[1] for option in content["application/jsonl"]["schema"]["anyOf"]}
+    assert lines == {"BatchRequestInput", "BatchRequestOutput"}
+    assert set(schemas["BatchRequestOutput"]["properties"]) == {"id", "custom_id", "response", "error"}
+
+    # As served: a batch that fails at once (no worker needed) has exactly the schema's fields.
+    failed = sdk.batches.create(input_file_id=upload(sdk, [b"not json"]), endpoint="/v1/completions",
+                                completion_window="24h")  # fmt: skip
+    served = sdk.batches.with_raw_response.retrieve(failed.id).http_response.json()
+    assert set(served) == set(batch["properties"]) and served["errors"]["object"] == "list"
+    assert set(served["request_counts"]) == set(BatchRequestCounts.model_fields)
 
 
 def _native_chat_job(client: FreightClient) -> dict:

@@ -23,6 +23,7 @@ TABLES = {
     "openai_batches",
     "model_registry",
     "throughput_profiles",
+    "result_cache",
     "alembic_version",
 }
 
@@ -117,4 +118,20 @@ def test_sqlite_throughput_profiles_migration_goes_down_and_up(tmp_path: Path) -
     finally:
         engine.dispose()
     upgrade(url)
-    assert current_revision(url) == "0006" == _head(url) and _schema_diff(url) == []
+    assert current_revision(url) == _head(url) and _schema_diff(url) == []
+
+
+def test_sqlite_deadlines_migration_goes_down_and_up(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'freight.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0006")
+    engine = make_engine(url)
+    try:
+        columns = {column["name"] for column in inspect(engine).get_columns("jobs")}
+        assert not columns & {"priority", "deadline", "deadline_warning", "expired_at"}
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == _head(url) and _schema_diff(url) == []

@@ -39,4 +39,5 @@ def test_a_failed_record_and_its_stored_form() -> None:
         "output_tokens": 0,
         "finish_reason": "error",
         "error": "no prompt",
+        "cached": False,
     }

@@ -6,7 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from storage.db import chunked
+
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUERY_BUILDERS = {"select", "insert", "update", "delete", "func", "text", "or_", "and_", "distinct"}

@@ -17,6 +17,8 @@ from worker.map_reduce import (
     plan_windows,
 )
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 
 def encode(text: str) -> list[int]:
     return [ord(char) for char in text]

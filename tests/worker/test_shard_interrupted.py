@@ -65,7 +65,7 @@ def submit(ctx: WorkerContext, tmp_path: Path, model: Path) -> str:
     pq.write_table(table, source)
     service = JobService(ctx.settings, ctx.sessions, ctx.blobs, dispatcher=None, allow_any_model=True)
     with open(source, "rb") as upload:
-        return service.submit("interrupted", upload, JobParams(model=str(model), max_tokens=8)).id
+        return service.submit("interrupted", upload, JobParams(model=str(model), max_tokens=8, reuse_results=False)).id  # each job runs: no result cache
 
 
 def test_a_write_cut_mid_stream_is_retried_with_the_right_rows(

@@ -3,77 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from jobs.domain.engine_options import DTYPE_NAMES, EngineOptions
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
-class EngineConfig:
-    model: str = "smollm2-135m"  # alias of the default model, or a path to an HF folder / .gguf file
-    # "auto": the dtype and INT8 scheme measured fastest on this machine at load (path_plan.py)
-    dtype: str = "auto"
-    quantization: Literal["auto", "int8"] | None = "auto"
-    int8_backend: Literal["auto", "int_mm", "onednn", "amx"] = "auto"  # CPU INT8 GEMM; "auto": measured
-    # CPU INT8: products of at most this many rows run our weight-streaming kernel; "auto": measured, 0: never
-    small_batch_rows: int | Literal["auto"] = "auto"
-    kv_cache_dtype: str = "int8"  # "int8" or "auto" (= the compute dtype)
-    smoothing: bool = True  # INT8: SmoothQuant-style smoothing, calibrated at load (smoothing.py)
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    kv_cache_memory_gb: float = 2.0  # CPU pool size; on CUDA see gpu_memory_utilization
-    num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
-    gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
-    scheduling: Literal["length", "fifo"] = "length"
-    # share the KV of full blocks between sequences with the same prompt prefix (block_manager.py)
-    enable_prefix_caching: bool = True
-    # prompt-lookup speculative decoding (speculation.py): drafts of up to num_speculative_tokens tokens,
-    # where they pay ("auto": rows priced by the small-batch measurement, speculation.py) or in steps that
-    # feed at most speculation_max_rows rows
-    enable_speculation: bool = True
-    num_speculative_tokens: int = 4
-    speculation_max_rows: int | Literal["auto"] = "auto"
-    # float projections in fixed blocks of this many rows, so a row's tokens do not depend on its batch
-    # (quantization.FloatLinear); "auto": for unquantized float32 on CPU (the exact mode) the largest block at
-    # which this machine's GEMM rounds a row alike at every position (invariance.py; 16 where checked), else 0
-    batch_invariant_rows: int | Literal["auto"] = "auto"
-    # INT8 on CPU: a step whose rows are all plain greedy (no logprobs, grammar or min_tokens ban) picks its
-    # tokens inside the LM head's product, never writing the [rows, vocab] logits (model.greedy_picks)
-    fused_greedy_head: bool = True
-    device: str | None = None  # None: cuda when available, else cpu
-    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    cache_dir: str | None = None  # where pulled models live; None: $FREIGHT_HOME/models
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "auto", "int8"):
-            raise ValueError(f"quantization must be None, 'auto' or 'int8', got {self.quantization!r}")
-        if self.int8_backend not in ("auto", "int_mm", "onednn", "amx"):
-            raise ValueError(f"int8_backend must be 'auto', 'int_mm', 'onednn' or 'amx', got {self.int8_backend!r}")
-        if self.small_batch_rows != "auto" and not (isinstance(self.small_batch_rows, int) and self.small_batch_rows >= 0):
-            raise ValueError(f"small_batch_rows must be 'auto' or an int >= 0, got {self.small_batch_rows!r}")
-        if self.batch_invariant_rows != "auto" and not (
-            isinstance(self.batch_invariant_rows, int) and self.batch_invariant_rows >= 0
-        ):
-            raise ValueError(f"batch_invariant_rows must be 'auto' or an int >= 0, got {self.batch_invariant_rows!r}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.speculation_max_rows != "auto" and not (
-            isinstance(self.speculation_max_rows, int) and self.speculation_max_rows >= 0
-        ):
-            raise ValueError(f"speculation_max_rows must be 'auto' or an int >= 0, got {self.speculation_max_rows!r}")
-        if self.kv_cache_dtype not in ("int8", "auto", *DTYPES):
-            raise ValueError(f"kv_cache_dtype must be 'int8', 'auto' or a dtype, got {self.kv_cache_dtype!r}")
-        if self.scheduling not in ("length", "fifo"):
-            raise ValueError(f"scheduling must be 'length' or 'fifo', got {self.scheduling!r}")
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+class EngineConfig(EngineOptions):
+    """What the user asks of the engine: the options of jobs.domain.engine_options.EngineOptions (their one
+    declaration, which the worker settings derive from too), with the torch helpers the engine needs."""
 
     def kv_torch_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype once the compute dtype is known ("auto" follows it)."""

@@ -10,6 +10,7 @@ import torch
 from worker.engine.attention import KVCache, KVGroup, kv_groups, split_kv_blocks
 from worker.engine.block_manager import BlockCoordinator, BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
+from worker.engine.identity import NumericsIdentity, numerics_identity
 from worker.engine.invariance import invariant_block_rows, wide_block_rows
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import DecoderModel
@@ -80,6 +81,7 @@ class LLMEngine:
             wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows),
             greedy_head=config.fused_greedy_head,
         )
+        model_path = checkpoint.path
         del checkpoint, tensors
         num_blocks = self._num_kv_blocks()  # per KV group
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.kv_dtype, self.device)
@@ -101,6 +103,12 @@ class LLMEngine:
         self.context_cut = self.max_model_len < wanted  # the KV pool, not the model or config, bounds it
         self.scheduler = Scheduler(config, self.kv_blocks)
         self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
+        # what outputs depend on besides the request (a result cache's key: worker/shard/cache_key.py)
+        self.numerics: NumericsIdentity = numerics_identity(
+            model_path=model_path, device=self.device, tier=self.plan.tier, dtype=scheme.dtype,
+            quantization=scheme.quantization, kv_dtype=self.kv_dtype, smoothing=config.smoothing,
+            invariant_rows=invariant_rows,
+        )
         # KV use in blocks of every layer (a window group's blocks weigh its share of the layers)
         counts = parameter_counts(self.model_config)
         self.stats = EngineStats(

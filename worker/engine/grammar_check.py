@@ -1,4 +1,4 @@
-"""`python -m worker.engine.grammar_check`: answers, one JSON line per JSON line, whether the grammar engine
+"""`freight-grammar-check` (pyproject.toml's entry point for `main`): answers, one JSON line per JSON line, whether the grammar engine
 accepts a structured-output constraint, so that the API (which never imports torch, and xgrammar does) can
 refuse a schema at submission in a child process (jobs/domain/grammar_check.py).
 
@@ -40,9 +40,13 @@ def serve(lines: TextIO, out: TextIO) -> None:
         out.flush()
 
 
-if __name__ == "__main__":
+def main() -> None:
     import xgrammar  # noqa: F401  (imported before the ready line, so the first answer is not slow)
 
     sys.stdout.write(json.dumps({"ready": True}) + "\n")
     sys.stdout.flush()
     serve(sys.stdin, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

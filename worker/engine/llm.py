@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from worker.engine.chat import apply_chat_template
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.identity import NumericsIdentity
 from worker.engine.outputs import EngineStats, RequestOutput
 from worker.engine.sampling_params import SamplingParams
 
@@ -50,6 +51,11 @@ class LLM:
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats
+
+    @property
+    def numerics(self) -> NumericsIdentity:
+        """The model revision and numerics this engine runs (worker/engine/identity.py)."""
+        return self.engine.numerics
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return apply_chat_template(self.tokenizer, messages)

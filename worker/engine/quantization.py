@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch
-from kernels.int8_linear import int8_linear, int8_linear_silu_mul, quantize_weight_per_channel
+from kernels.int8_linear import int8_linear, int8_linear_silu_mul
+from kernels.quantize import quantize_weight_per_channel
 
 Int8Backend = Literal["int_mm", "onednn", "amx", "triton"]
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.engine.draft_state import DraftState
 from worker.engine.outputs import FinishReason, RequestTimings
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import DraftState
 
 
 class SequenceStatus(enum.Enum):

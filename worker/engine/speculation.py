@@ -30,16 +30,13 @@ never evict a cached block.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from worker.engine.block_manager import BlockManager
+from worker.engine.draft_state import ACCEPTANCE_PRIOR, TOKEN_BYTES, DraftState
+from worker.engine.scheduler import SchedulerOutput
+from worker.engine.sequence import Sequence
+from worker.engine.step_cost import StepCost
 from worker.engine.verify import accept_greedy
-
-if TYPE_CHECKING:  # sequence.py holds a DraftState: these import this module
-    from worker.engine.block_manager import BlockManager
-    from worker.engine.scheduler import SchedulerOutput
-    from worker.engine.sequence import Sequence
-    from worker.engine.step_cost import StepCost
 
 PAY_MARGIN = 1.25  # a draft's marginal useful rows per second must beat the step's average by this
 MAX_NGRAM = 4  # longest suffix looked up; longer matches are rarer and 4 tokens already pin a phrase
@@ -48,10 +45,7 @@ MAX_NGRAM = 4  # longest suffix looked up; longer matches are rarer and 4 tokens
 MIN_NGRAM = 3
 TAIL_SLACK = 8  # steps: a sequence that started decoding this close to the last one may still end the batch
 DEFAULT_MAX_ROWS = 16  # row bound where nothing was measured (float compute, CUDA)
-ACCEPTANCE_PRIOR = 0.6  # a new sequence's expected accepted share, until its drafts are verified
 ACCEPTANCE_FLOOR = 0.3  # below this average accepted share a sequence only shadows its drafts
-ACCEPTANCE_WEIGHT = 0.25  # weight of the newest verification (or shadow score) in the average
-TOKEN_BYTES = array("i").itemsize  # token ids are stored as native int32 in the search buffer
 
 
 def lookup(
@@ -95,51 +89,6 @@ def lookup_steps(prompt: list[int], output: list[int], k: int) -> int:
         done += len(emitted)
         steps += 1
     return steps
-
-
-@dataclass
-class DraftState:
-    """One sequence's drafting: its tokens as a search buffer, what its acceptance earned it, and the draft
-    it did not feed (its shadow), waiting to be scored against the tokens that come."""
-
-    k: int  # draft length to propose next
-    max_k: int
-    acceptance: float = ACCEPTANCE_PRIOR  # average accepted share of proposed tokens
-    history: bytearray = field(default_factory=bytearray)  # [num_tokens] int32
-    shadow: list[int] = field(default_factory=list)  # predicted tokens from position shadow_at on
-    shadow_at: int = 0
-    first_step: int = 0  # the speculator's step count when the sequence first decoded
-
-    def sync(self, seq: Sequence) -> None:
-        """Append the tokens the sequence gained since the last lookup (tokens never change), and score
-        the shadow draft as far as they reach."""
-        have = len(self.history) // TOKEN_BYTES
-        if have < seq.num_tokens:
-            self.history += array("i", seq.tokens(have, seq.num_tokens)).tobytes()
-            if self.shadow:
-                self._score_shadow(seq.num_tokens)
-
-    def keep_shadow(self, draft: list[int], at: int) -> None:
-        self.shadow, self.shadow_at = draft, at
-
-    def _score_shadow(self, num_tokens: int) -> None:
-        """Observe the shadow once its first disagreement, or its whole length, is known: the longest
-        agreeing run is what greedy verification would have accepted (and, for a sampled sequence, the
-        expected acceptance of the rejection rule, p(draft token) per token)."""
-        known = min(len(self.shadow), num_tokens - self.shadow_at)
-        came = array("i", self.history[self.shadow_at * TOKEN_BYTES : (self.shadow_at + known) * TOKEN_BYTES])
-        agreed = next(
-            (j for j, (a, b) in enumerate(zip(came, self.shadow[:known], strict=True)) if a != b), known
-        )
-        if agreed < known or known == len(self.shadow):
-            self.observe(len(self.shadow), agreed)
-            self.shadow = []
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Adapt k and the expected acceptance to one verification (or shadow score) of `proposed` tokens."""
-        w = ACCEPTANCE_WEIGHT
-        self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
-        self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
 class Speculator:

@@ -12,13 +12,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from storage import job_store
-from storage.arrow_path import read_schema
+from storage.input_set import input_schema
 from storage.result_record import ResultRecord
 from storage.result_store import insert_results, stored_row_indices
 from storage.shard_store import finish_shard, get_shard, release_shard
 from storage.status import AttemptOutcome, ShardStatus
 from worker.attempt_meter import AttemptMeter
-from worker.inputs import read_rows
+from worker.inputs import open_job_input, read_rows, shard_rows
 from worker.model_registry import UnservableModel
 from worker.retry import ShardRetry
 from worker.shard.context import ShardHandedBack, WorkerContext
@@ -63,7 +63,7 @@ class Attempt:
         """Release the shard unless every row finished anyway; the caller requeues its task."""
         job_id, shard_index = self.job_id, self.shard_index
         with self.ctx.sessions() as session:
-            remaining = set(get_shard(session, job_id, shard_index).row_indices)
+            remaining = set(shard_rows(get_shard(session, job_id, shard_index)))
             if len(stored_row_indices(session, job_id, sorted(remaining))) == len(remaining):
                 return  # the shard finished before the stop took effect: finish it normally
             released = release_shard(
@@ -101,7 +101,7 @@ class Attempt:
             if unservable:
                 # The same model files give the same refusal: another attempt cannot help.
                 job_store.note_error(session, job_id=job_id, error=message, commit=False)
-                self._fail_rows(session, shard.row_indices, message)
+                self._fail_rows(session, shard_rows(shard), message)
                 self.finish(session, ShardStatus.FAILED, None, error=message)
                 return ShardStatus.FAILED
             if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
@@ -111,7 +111,7 @@ class Attempt:
                 # What the failed attempt ran is part of the job's cost (the retry reruns its unstored rows).
                 self.meter.record(session, AttemptOutcome.RETRY if released else AttemptOutcome.LEASE_LOST)
                 raise ShardRetry(message) from exc
-            self._fail_rows(session, shard.row_indices, f"the shard failed {shard.attempts} times: {message}")
+            self._fail_rows(session, shard_rows(shard), f"the shard failed {shard.attempts} times: {message}")
             self.finish(session, ShardStatus.FAILED, None, error=message)
         return ShardStatus.FAILED
 
@@ -134,8 +134,9 @@ class Attempt:
         """The rows' custom_ids from the input, or their row indices when the input cannot be read."""
         try:
             with self.ctx.sessions() as session:
-                job_input = self.ctx.blobs.arrow(job_store.get_job(session, self.job_id).input_name)
-            if "custom_id" in read_schema(job_input).names:
+                name = job_store.get_job(session, self.job_id).input_name
+            job_input = open_job_input(self.ctx.blobs, self.ctx.settings, name)
+            if "custom_id" in input_schema(job_input).names:
                 found = read_rows(job_input, rows, ["custom_id"])
                 return {index: custom_id(index, record) for index, record in found.items()}
         except Exception:  # the input itself may be what failed; fall back to the row index

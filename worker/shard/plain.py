@@ -1,4 +1,5 @@
-"""The plain kind: one request per row, its prompt from the job's template, column or chat messages."""
+"""The plain kind: one request per row, its prompt from the job's template, column or chat messages.
+Rows the tenant's result cache holds are written from it; only the others run (result_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from storage.result_record import ResultRecord
 from worker.engine.outputs import RequestOutput
 from worker.shard.prompts import prepare_prompts
 from worker.shard.requests import EngineRequest, custom_id, sampling_for
+from worker.shard.result_cache import ShardResultCache
 from worker.shard.run import ShardRun
 
 
@@ -30,6 +32,8 @@ class PlainKind:
             )
             for row in prepared
         ]
+        cache = ShardResultCache(run)
+        todo = cache.misses(requests)
 
         def write(request: EngineRequest[str], out: RequestOutput) -> None:
             run.writer.add(
@@ -43,6 +47,10 @@ class PlainKind:
                     out.error,
                 )
             )
+            cache.ran(request, out)
 
-        run.stream(requests, write)
-        return len(requests)
+        if todo:
+            run.stream(todo, write)
+        run.writer.flush()  # the rows first: a cache entry never stands for a row that was not stored
+        cache.remember()
+        return len(todo)

@@ -23,6 +23,7 @@ class ShardRun:
 
     sessions: sessionmaker[Session]
     job_id: str
+    tenant: str  # whose result cache the rows read and feed (worker/shard/result_cache.py)
     shard_index: int
     chunk_rows: int
     meter: AttemptMeter

@@ -1,4 +1,5 @@
-"""The engine end to end on a tiny random-weight Llama: batching, preemption, sampling, errors."""
+"""The engine end to end on a tiny random-weight Llama (with a tokenizer built in the test): batching, preemption,
+sampling, errors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from worker.engine.quantization import FloatLinear
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> LLM:
-    return LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=0.05)
+def tiny(tiny_llama_bytes_dir) -> LLM:
+    return LLM(str(tiny_llama_bytes_dir), dtype="float32", quantization=None, kv_cache_dtype="auto", kv_cache_memory_gb=0.05)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -27,6 +28,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(10, 49000) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
 
 
+@pytest.mark.unit
 def test_outputs_in_input_order_with_exact_token_accounting(tiny: LLM) -> None:
     batch = prompts(20)
     before = tiny.stats.as_dict()
@@ -45,12 +47,14 @@ def test_outputs_in_input_order_with_exact_token_accounting(tiny: LLM) -> None:
     assert timings.queued <= timings.first_token <= timings.finished
 
 
+@pytest.mark.unit
 def test_stream_yields_each_request_when_it_finishes(tiny: LLM) -> None:
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 1, 5)]
     order = [o.index for o in tiny.stream([[11, 12, 13]] * 3, params)]
     assert order == [1, 2, 0]
 
 
+@pytest.mark.unit
 def test_stream_cancellation_drops_unfinished(tiny: LLM) -> None:
     calls = []
 
@@ -66,12 +70,12 @@ def test_stream_cancellation_drops_unfinished(tiny: LLM) -> None:
     assert tiny.engine.blocks.num_used == 0
 
 
-def test_preemption_gives_same_greedy_tokens(tiny_llama_dir) -> None:
+def test_preemption_gives_same_greedy_tokens(tiny_llama_bytes_dir) -> None:
     batch = prompts(12, seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     options = dict(dtype="float32", quantization=None, kv_cache_dtype="auto", block_size=4)
-    large = LLM(str(tiny_llama_dir), num_kv_blocks=2000, **options)
-    small = LLM(str(tiny_llama_dir), num_kv_blocks=40, **options)
+    large = LLM(str(tiny_llama_bytes_dir), num_kv_blocks=2000, **options)
+    small = LLM(str(tiny_llama_bytes_dir), num_kv_blocks=40, **options)
     expected = [o.output_token_ids for o in large.generate(batch, params)]
     got = [o.output_token_ids for o in small.generate(batch, params)]
     assert large.stats.preemptions == 0
@@ -80,8 +84,9 @@ def test_preemption_gives_same_greedy_tokens(tiny_llama_dir) -> None:
     assert small.stats.computed_tokens > large.stats.computed_tokens  # recompute is counted
 
 
-def test_request_that_cannot_fit_errors_alone(tiny_llama_dir) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
+@pytest.mark.unit
+def test_request_that_cannot_fit_errors_alone(tiny_llama_bytes_dir) -> None:
+    llm = LLM(str(tiny_llama_bytes_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
               max_model_len=64, block_size=4, num_kv_blocks=10)
     ok = [5, 6, 7]
     outs = llm.generate([ok, list(range(100, 180)), [], ok * 12], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -109,14 +114,14 @@ def test_seeded_sampling_is_batch_invariant(tiny: LLM) -> None:
     assert other_seed[0].output_token_ids != alone
 
 
-def test_float32_greedy_is_batch_invariant_to_the_bit(tiny_llama_dir) -> None:
+def test_float32_greedy_is_batch_invariant_to_the_bit(tiny_llama_bytes_dir) -> None:
     # unquantized float32 runs its products in fixed blocks of rows (quantization.FloatLinear; the size the
     # load-time check found, invariance.py): a prompt's logprobs, not only its tokens, are the same alone and
     # among nine others (a GEMM library's row-count dependent rounding shows up here first). Prefix caching
     # is off here: the tiny model's head_dim 16 has no compiled prefill kernel, and torch's SDPA rounds a
     # chunk after a cached prefix (a masked product) differently from the whole prompt (causal) on some CPUs
     # (an Intel Xeon capped at AVX2), which is not what this test is about.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
+    llm = LLM(str(tiny_llama_bytes_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
               kv_cache_memory_gb=0.05, enable_prefix_caching=False)  # fmt: skip
     rows = llm.engine.model.layers[0].qkv.invariant_rows
     assert rows in (*CANDIDATE_ROWS, 1)
@@ -131,6 +136,7 @@ def test_float32_greedy_is_batch_invariant_to_the_bit(tiny_llama_dir) -> None:
     assert (in_batch.output_token_ids, in_batch.logprobs) == (alone.output_token_ids, alone.logprobs)
 
 
+@pytest.mark.unit
 def test_fixed_block_products_round_a_row_alike_at_any_batch_size() -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(960, 576, generator=generator)
@@ -155,6 +161,7 @@ def test_wide_blocks_round_a_row_like_its_block_where_the_check_holds() -> None:
         assert torch.equal(widened(x[:count]), blocked(x[:count])), count
 
 
+@pytest.mark.unit
 def test_top_k_one_equals_greedy(tiny: LLM) -> None:
     batch = prompts(6, seed=7)
     greedy = tiny.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True))
@@ -162,6 +169,7 @@ def test_top_k_one_equals_greedy(tiny: LLM) -> None:
     assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in top1]
 
 
+@pytest.mark.unit
 def test_stop_strings_cut_text_before_the_stop(tiny: LLM) -> None:
     prompt = [31, 32, 33]
     full = tiny.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
@@ -173,6 +181,7 @@ def test_stop_strings_cut_text_before_the_stop(tiny: LLM) -> None:
     assert cut.text == full.text[: full.text.find(stop)]
 
 
+@pytest.mark.unit
 def test_max_and_min_tokens(tiny: LLM) -> None:
     prompt = [41, 42, 43]
     first = tiny.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_token_ids[0]
@@ -183,6 +192,7 @@ def test_max_and_min_tokens(tiny: LLM) -> None:
     assert len(tiny.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids) == 10
 
 
+@pytest.mark.unit
 def test_logprobs_are_reported_per_token(tiny: LLM) -> None:
     out = tiny.generate([[51, 52, 53, 54]], SamplingParams(max_tokens=5, logprobs=True, prompt_logprobs=True,
                                                            ignore_eos=True))[0]
@@ -190,12 +200,12 @@ def test_logprobs_are_reported_per_token(tiny: LLM) -> None:
     assert len(out.prompt_logprobs) == 3 and all(lp <= 0 for lp in out.prompt_logprobs)
 
 
-def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir) -> None:
+def test_chunked_prefill_matches_whole_prefill(tiny_llama_bytes_dir) -> None:
     batch = prompts(6, seed=11)
     params = SamplingParams(max_tokens=6, prompt_logprobs=True, ignore_eos=True)
     options = dict(dtype="float32", quantization=None, kv_cache_dtype="auto", num_kv_blocks=400)
-    whole = LLM(str(tiny_llama_dir), max_num_batched_tokens=4096, **options).generate(batch, params)
-    chunked_llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=7, **options)
+    whole = LLM(str(tiny_llama_bytes_dir), max_num_batched_tokens=4096, **options).generate(batch, params)
+    chunked_llm = LLM(str(tiny_llama_bytes_dir), max_num_batched_tokens=7, **options)
     chunked = chunked_llm.generate(batch, params)
     assert chunked_llm.stats.steps > 20  # really chunked
     for a, b in zip(whole, chunked, strict=True):
@@ -204,20 +214,20 @@ def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir) -> None:
         assert b.prompt_logprobs == pytest.approx(a.prompt_logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "auto"])
-def test_int8_weights_run_with_either_cache(tiny_llama_dir, kv_cache_dtype: str) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8", kv_cache_dtype=kv_cache_dtype,
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param("int8", marks=pytest.mark.unit), "auto"])
+def test_int8_weights_run_with_either_cache(tiny_llama_bytes_dir, kv_cache_dtype: str) -> None:
+    llm = LLM(str(tiny_llama_bytes_dir), dtype="bfloat16", quantization="int8", kv_cache_dtype=kv_cache_dtype,
               num_kv_blocks=200)
     outs = llm.generate(prompts(10, seed=2), SamplingParams(max_tokens=5, ignore_eos=True))
     assert all(len(o.output_token_ids) == 5 and o.error is None for o in outs)
     assert llm.stats.padding_tokens == 0
 
 
-def test_engine_thread_runs_every_step_on_one_thread(tiny_llama_dir) -> None:
+def test_engine_thread_runs_every_step_on_one_thread(tiny_llama_bytes_dir) -> None:
     """With engine_thread=True the engine is built and stepped on its own thread, whoever calls."""
     import threading
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
+    llm = LLM(str(tiny_llama_bytes_dir), dtype="float32", quantization=None, kv_cache_dtype="auto",
               kv_cache_memory_gb=0.05, engine_thread=True)  # fmt: skip
     seen: set[str] = set()
     step = llm.engine.step

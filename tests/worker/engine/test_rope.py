@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -10,6 +11,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_ro
 from tests.worker.engine.families import longrope
 from worker.engine.config import ModelConfig
 from worker.engine.rope import RotaryEmbedding, attention_factor, uses_long_factors
+
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
 
 ORIGINAL = 64  # original_max_position_embeddings of the test configs
 

@@ -11,6 +11,8 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.unit  # the unit lane (scripts/test.sh --unit)
+
 
 def make_seq(request_id: int, prompt_len: int) -> Sequence:
     return Sequence(

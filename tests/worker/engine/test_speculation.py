@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
+from worker.engine.draft_state import DraftState
 from worker.engine.outputs import RequestTimings
 from worker.engine.sampler import greedy_picks
 from worker.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -25,7 +26,6 @@ from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
     ACCEPTANCE_FLOOR,
     DEFAULT_MAX_ROWS,
-    DraftState,
     Speculator,
     lookup_steps,
     propose,

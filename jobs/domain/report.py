@@ -9,19 +9,17 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from sqlalchemy.orm import Session
 
-from jobs.api.svg_plots import bar_chart_svg, histogram_svg, line_chart_svg
+from jobs.domain.service import JobService
+from jobs.domain.svg_plots import bar_chart_svg, histogram_svg, line_chart_svg
 from storage import job_store
 from storage.models import Job, as_utc
 from storage.result_store import completed_token_lengths
 from storage.shard_store import shards_of
-
-if TYPE_CHECKING:
-    from jobs.domain.service import JobService
 
 MAX_PLOT_POINTS = 600  # over all shards, per plot
 LENGTHS_BATCH_ROWS = 50_000  # result rows fetched at a time for the histograms
@@ -137,6 +135,8 @@ COST_ROWS = (
     ("documents_split", "documents split into windows", ""),
     ("windows", "summary windows", ""),
     ("reduce_requests", "summary reduce requests", ""),
+    ("cached_rows", "rows reused from the result cache", ""),
+    ("saved_device_seconds", "device time the reused rows saved", "s"),
     ("wall_seconds", "wall time", "s"),
     ("queue_seconds", "time queued", "s"),
     ("device_seconds", "device time", "s"),
@@ -231,7 +231,7 @@ def render(data: ReportData) -> str:
 <header id="job-header">
 <h1>Freight job <code>{escape(job["id"])}</code> <span class="status {status}" id="job-status">{status}</span></h1>
 <p class="meta">model {escape(str(job["model"]))} · {counts["total"]} rows: {counts["completed"]} completed,
-{counts["failed"]} errors · created {escape(str(job["created_at"]))}</p>
+{counts["failed"]} errors · created {escape(str(job["created_at"]))}{_schedule(job)}</p>
 {error}
 </header>
 <section id="cost"><h2>Cost</h2>{_cost_table(data.metrics)}</section>
@@ -240,6 +240,18 @@ def render(data: ReportData) -> str:
 <section id="events"><h2>Status history</h2><table>{events}</table></section>
 </body></html>
 """
+
+
+def _schedule(job: dict[str, Any]) -> str:
+    """The job's priority and deadline for the header line (docs/scheduling.md)."""
+    text = f" · priority {escape(str(job.get('priority', 'normal')))}"
+    if job.get("deadline"):
+        text += f" · due {escape(str(job['deadline']))}"
+    if job.get("expired_at"):
+        text += f" · expired {escape(str(job['expired_at']))}"
+    if job.get("deadline_warning"):
+        text += f'<br><span class="error">{escape(job["deadline_warning"])}</span>'
+    return text
 
 
 def job_report_html(service: JobService, tenant: str, job_id: str) -> str:

@@ -12,6 +12,7 @@ connection (a request-smuggling vector, RFC 9112 section 6.1): the fallback refu
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,12 +22,37 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from jobs.domain.errors import error_body
 
+# How long a connection closed after a protocol error keeps reading (and dropping) what the client still sends.
+LINGER_S = 2.0
+
 
 def protocol_error_body(message: str) -> bytes:
     return json.dumps(error_body(400, f"malformed HTTP request: {message}", code="bad_request")).encode()
 
 
-class FreightHttpToolsProtocol(HttpToolsProtocol):
+class _LingeringClose:
+    """Closing a socket whose request bytes were not all read makes the kernel send a reset, which can
+    destroy the 400 still on its way (the client sees "connection reset"). So after a protocol error's
+    answer: end our side (FIN after the answer), drop whatever still arrives, and close on the client's
+    EOF or after LINGER_S, as web servers' lingering close does."""
+
+    transport: asyncio.Transport
+    lingering = False
+
+    def close_after_answer(self) -> None:
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.lingering = True
+        self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:  # after the answer, the rest of a broken request is dropped unread
+            super().data_received(data)  # type: ignore[misc]
+
+
+class FreightHttpToolsProtocol(_LingeringClose, HttpToolsProtocol):
     """uvicorn's httptools protocol (its default where httptools is installed) with JSON 400s."""
 
     def send_400_response(self, msg: str) -> None:
@@ -44,7 +70,7 @@ class FreightHttpToolsProtocol(HttpToolsProtocol):
             ]
         )
         self.transport.write(b"".join(content))
-        self.transport.close()
+        self.close_after_answer()
 
 
 class _StrictH11Connection(h11.Connection):
@@ -60,7 +86,7 @@ class _StrictH11Connection(h11.Connection):
         return event
 
 
-class FreightH11Protocol(H11Protocol):
+class FreightH11Protocol(_LingeringClose, H11Protocol):
     """uvicorn's h11 protocol with JSON 400s (the fallback without httptools)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -83,7 +109,7 @@ class FreightH11Protocol(H11Protocol):
         self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
-        self.transport.close()
+        self.close_after_answer()
 
 
 def http_protocol() -> type:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -182,23 +182,11 @@ class JobService:
             validated, shards = self.check_input(self.blobs.arrow(staged), resolved, served, grammar)
             warning = self._deadline_warning(params, resolved, validated, len(shards), due)
             self.blobs.rename(staged, name)
-            with self.sessions() as session:
-                job_store.create_queued_job(
-                    session,
-                    job_id=job_id,
-                    tenant=tenant,
-                    model=resolved.model,
-                    params=resolved.model_dump(),
-                    metadata=params.metadata,
-                    input_name=name,
-                    created_at=created_at,
-                    num_rows=validated.num_rows,
-                    shards=shards,
-                    also=None if with_job is None else lambda session: with_job(session, job_id),
-                    priority=params.priority,
-                    deadline=due,
-                    deadline_warning=warning,
-                )
+            self._store_job(
+                job_id, tenant, params, resolved, input_name=name, created_at=created_at,
+                num_rows=validated.num_rows, shards=shards, deadline=due, deadline_warning=warning,
+                also=None if with_job is None else lambda session: with_job(session, job_id),
+            )  # fmt: skip
             stored = True
             self._dispatch(job_id, resolved.model, len(shards))
         except BaseException:
@@ -227,28 +215,50 @@ class JobService:
         stored = False
         try:
             self.blobs.write_text(manifest_name(job_id), checked.inputs.to_json())
-            with self.sessions() as session:
-                job_store.create_queued_job(
-                    session,
-                    job_id=job_id,
-                    tenant=tenant,
-                    model=resolved.model,
-                    params=resolved.model_dump(),
-                    metadata=params.metadata,
-                    input_name=manifest_name(job_id),
-                    created_at=created_at,
-                    num_rows=checked.num_rows,
-                    shards=[[] for _ in checked.pieces],
-                    priority=params.priority,
-                    deadline=due,
-                    pieces=checked.pieces,
-                )
+            self._store_job(
+                job_id, tenant, params, resolved, input_name=manifest_name(job_id), created_at=created_at,
+                num_rows=checked.num_rows, shards=[[] for _ in checked.pieces], deadline=due,
+                pieces=checked.pieces,
+            )  # fmt: skip
             stored = True
             self._dispatch(job_id, resolved.model, len(checked.pieces))
         except BaseException:
             self._undo_submission(job_id, resolved.model, stored)
             raise
         return self.get(tenant, job_id)
+
+    def _store_job(
+        self,
+        job_id: str,
+        tenant: str,
+        params: JobParams,
+        resolved: ResolvedParams,
+        *,
+        input_name: str,
+        created_at: datetime,
+        num_rows: int,
+        shards: list[list[int]],
+        deadline: datetime | None,
+        **extra: Any,
+    ) -> None:
+        """The job, its shards and events in one transaction (either submission path); `extra` is what only
+        one path has: a warning, row-group pieces, rows stored with the job."""
+        with self.sessions() as session:
+            job_store.create_queued_job(
+                session,
+                job_id=job_id,
+                tenant=tenant,
+                model=resolved.model,
+                params=resolved.model_dump(),
+                metadata=params.metadata,
+                input_name=input_name,
+                created_at=created_at,
+                num_rows=num_rows,
+                shards=shards,
+                priority=params.priority,
+                deadline=deadline,
+                **extra,
+            )
 
     def _deadline_warning(
         self,

@@ -181,6 +181,27 @@ def test_the_h11_fallback_answers_a_100_kb_url_or_header_in_json(h11_api: str, k
         connection.close()
 
 
+@pytest.mark.parametrize("server", ["h11", "httptools"])
+def test_a_protocol_error_answered_mid_request_closes_cleanly(
+    h11_api: str, api_url: str, key: str, server: str
+) -> None:
+    """A request whose framing is broken is answered at once (400) while its body is still arriving; the
+    client's bytes still in flight must not turn the close into a reset that can destroy that answer: the
+    server ends its side after the answer and drops the rest (lingering close)."""
+    connection = RawConnection(h11_api if server == "h11" else api_url, timeout=10)
+    try:
+        # 2 MB: more than the server reads at once, so some is still unread when it answers
+        connection.send_raw(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n" + b"a" * 2_000_000)
+        status, headers, body = connection.response()
+        assert status == 400 and headers["content-type"] == "application/json", (status, body)
+        assert error_of(body)
+        connection.send_raw(b"b" * 50_000 + b"\r\n\r\n")  # the rest arrives after the answer
+        time.sleep(0.3)
+        assert connection.closed_by_server()  # EOF, not a reset
+    finally:
+        connection.close()
+
+
 def test_the_h11_fallback_keeps_the_connection_after_a_route_4xx_or_500(
     h11_api: str, key: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -67,6 +67,28 @@ def metrics_name(job_id: str) -> str:
     return f"jobs/{job_id}/metrics.json"
 
 
+# How pyarrow words an S3 request that failed on the way rather than on its content ("AWS Error
+# NETWORK_CONNECTION during GetObject operation: curlCode: 7, ..."): the store is down or restarting.
+_UNREACHABLE = re.compile(
+    r"AWS Error (NETWORK_CONNECTION|SERVICE_UNAVAILABLE|SLOW_DOWN|THROTTLING|REQUEST_TIMEOUT|INTERNAL_FAILURE)"
+    r"|AWS Error \w+ \(HTTP status 5\d\d\)|curlCode: \d+"
+)
+
+
+def store_unreachable(exc: BaseException) -> bool:
+    """True when `exc`, or an error it was raised from, is the object store being unreachable (refused,
+    reset or timed-out connections, a 5xx while it restarts): a retry later can succeed, so it is not
+    the job's fault. A missing or unreadable object is not this."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain can loop back on itself
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and _UNREACHABLE.search(str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def check_name(name: str) -> str:
     # fullmatch: `$` would let a trailing newline through
     if not _NAME.fullmatch(name) or any(part in (".", "..") for part in name.split("/")):

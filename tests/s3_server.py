@@ -3,7 +3,8 @@ extra), started once per test session on free loopback ports with a temp data fo
 end. It checks signatures against an identity of its own; the session exports that identity as the
 standard AWS_* variables, which is where Freight's S3 store finds credentials in production too.
 Registered for the whole suite by `pytest_plugins` in tests/conftest.py; the server starts only when a
-test asks for `s3_server`. Without the `weed` binary such tests skip locally and fail in CI (CI=true)."""
+test asks for `s3_server`. Without the `weed` binary such tests skip locally and fail in CI (CI=true).
+A fault test may stop and restart the server (same ports and data) or freeze it: S3Server.stop() etc."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -39,6 +40,31 @@ PORT_FLAGS = (
 )
 
 
+class SeaweedProcess:
+    """The `weed` process behind a server, which a fault test may stop and start again (same ports, same
+    data folder: the objects are still there) or freeze (SIGSTOP: connections hang instead of failing)."""
+
+    def __init__(self, command: list[str], log: Path) -> None:
+        self.command = command
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def start(self, server: S3Server) -> None:
+        with open(self.log, "ab") as sink:
+            self.process = subprocess.Popen(
+                self.command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        _wait_ready(server, self.process, self.log)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None and self.process.poll() is None, "weed is not running"
+        os.killpg(self.process.pid, sig)
+
+
 @dataclass(frozen=True)
 class S3Server:
     endpoint_url: str
@@ -46,6 +72,26 @@ class S3Server:
     access_key: str
     secret_key: str
     region: str = "us-east-1"
+    weed: SeaweedProcess | None = field(default=None, compare=False, repr=False)
+
+    def stop(self) -> None:
+        """Stop the server (connections are refused until restart())."""
+        assert self.weed is not None
+        self.weed.stop()
+
+    def restart(self) -> None:
+        """Start the stopped server again on the same ports and data, returning once it takes writes."""
+        assert self.weed is not None
+        self.weed.start(self)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: requests hang until they time out, or until thaw()."""
+        assert self.weed is not None
+        self.weed.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.weed is not None
+        self.weed.signal(signal.SIGCONT)
 
     def filesystem(self) -> pafs.S3FileSystem:
         """An admin's view of the bucket, for checks that bypass the code under test."""
@@ -145,20 +191,21 @@ def seaweedfs(weed: str, folder: Path) -> Iterator[S3Server]:
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
     ]
-    log = folder / "weed.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    weed_process = SeaweedProcess(command, folder / "weed.log")
     server = S3Server(
         endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
         bucket="freight-test",
         access_key=access_key,
         secret_key=secret_key,
+        weed=weed_process,
     )
     try:
-        _wait_ready(server, process, log)
+        weed_process.start(server)
         yield server
     finally:
-        _stop(process)
+        if weed_process.process is not None and weed_process.process.poll() is None:
+            weed_process.signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+        weed_process.stop()
 
 
 @pytest.fixture(scope="session")

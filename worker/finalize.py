@@ -17,7 +17,7 @@ from jobs.domain.results import write_final_results
 from jobs.domain.service import JobService
 from jobs.domain.summary_results import add_summary_columns
 from storage import job_store
-from storage.blobs import metrics_name, results_name
+from storage.blobs import metrics_name, results_name, store_unreachable
 from storage.models import utcnow
 from storage.status import FINAL_JOB_STATUSES, JobStatus
 from worker.inputs import open_job_input
@@ -64,8 +64,8 @@ def _finalize(ctx: WorkerContext, job_id: str) -> str | None:
                 final = JobStatus.CANCELLED
             job_store.move(session, job_id, to=final, extra={"metrics": metrics, "finished_at": finished_at})
         except Exception as exc:
-            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-                raise  # the database connection dropped: the task tries again, the job is fine
+            if (isinstance(exc, DBAPIError) and exc.connection_invalidated) or store_unreachable(exc):
+                raise  # the database or the store is unreachable: the task tries again, the job is fine
             log.exception("finalizing %s failed", job_id)
             session.rollback()
             job_store.move(

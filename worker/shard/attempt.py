@@ -12,6 +12,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from storage import job_store
+from storage.blobs import store_unreachable
 from storage.input_set import input_schema
 from storage.result_record import ResultRecord
 from storage.result_store import insert_results, stored_row_indices
@@ -93,9 +94,10 @@ class Attempt:
             log.error("shard %d of %s failed: %s", shard_index, job_id, message)
         else:
             log.exception("shard %d of %s failed", shard_index, job_id)
-        # A dropped database connection (restart, pg_terminate_backend) is not the shard's fault: the
-        # retry resumes from the stored rows without using up one of the shard's attempts.
-        disconnected = isinstance(exc, DBAPIError) and exc.connection_invalidated
+        # A dropped database connection (restart, pg_terminate_backend) or an unreachable object store
+        # is not the shard's fault: the retry resumes from the stored rows without using up one of the
+        # shard's attempts.
+        disconnected = (isinstance(exc, DBAPIError) and exc.connection_invalidated) or store_unreachable(exc)
         with ctx.sessions() as session:
             shard = get_shard(session, job_id, shard_index)
             if unservable:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import create_engine, text
@@ -32,7 +30,7 @@ from sqlalchemy.engine import make_url
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load_bench's helpers
 
-from load_bench import _free_port, _wait_for_worker, tiny_model  # noqa: E402
+from load_bench import _free_port, _wait_for_worker, stop_all, tiny_model, wait_ready  # noqa: E402
 
 from jobs.cli.client import FreightAPIError, FreightClient  # noqa: E402
 from jobs.domain.settings import Settings  # noqa: E402
@@ -86,13 +84,7 @@ def one_run(args: argparse.Namespace, workdir: Path, model: str, fair_share: boo
     worker = subprocess.Popen([freight, "worker"], env=env, stdout=logs[1], stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(base)
         _wait_for_worker(settings)
         with FreightClient(base, keys["bench-a"], timeout=600) as a, FreightClient(base, keys["bench-b"]) as b:
             a_started = time.monotonic()
@@ -119,15 +111,7 @@ def one_run(args: argparse.Namespace, workdir: Path, model: str, fair_share: boo
             "a_seconds": round(a_seconds, 2),
         }
     finally:
-        for process in (api, worker):
-            process.send_signal(signal.SIGTERM)
-        for process in (api, worker):
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in logs:
-            log.close()
+        stop_all([api, worker], logs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -37,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from jobs.cli.client import FreightClient  # noqa: E402
 from jobs.domain.settings import Settings  # noqa: E402
-from scripts.load_bench import MB, PeakRSS, _free_port, _wait_for_worker, tiny_model  # noqa: E402
+from scripts.load_bench import MB, PeakRSS, _free_port, _wait_for_worker, stop_all, tiny_model, wait_ready  # noqa: E402
 from storage.db import make_engine, make_session_factory, upgrade  # noqa: E402
 from storage.keys import create_key  # noqa: E402
 from tests.s3_server import S3Server, seaweedfs, weed_binary  # noqa: E402
@@ -129,13 +127,7 @@ def run(args: argparse.Namespace, workdir: Path, server: S3Server) -> dict:
     }
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(base)
         if worker is not None:
             _wait_for_worker(settings)
         report["api_idle_rss_mb"] = round(psutil.Process(api.pid).memory_info().rss / MB, 1)
@@ -183,18 +175,7 @@ def run(args: argparse.Namespace, workdir: Path, server: S3Server) -> dict:
                 print(json.dumps(entry), file=sys.stderr)
         return report
     finally:
-        for process in (api, worker):
-            if process is not None:
-                process.send_signal(signal.SIGTERM)
-        for process in (api, worker):
-            if process is None:
-                continue
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in logs:
-            log.close()
+        stop_all([api, worker], logs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_ready(base: str, tries: int = 600) -> None:
+    """Until the API at `base` answers /readyz (a start that never gets there shows in the next request)."""
+    for _ in range(tries):
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def stop_all(processes: list[subprocess.Popen | None], logs: list) -> None:
+    """SIGTERM every process started, wait up to 60 s for each (then kill it), close the logs."""
+    started = [process for process in processes if process is not None]
+    for process in started:
+        process.send_signal(signal.SIGTERM)
+    for process in started:
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    for log in logs:
+        log.close()
+
+
 def _wait_for_worker(settings: Settings, timeout_s: float = 600) -> None:
     from celery import Celery
 
@@ -152,13 +177,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     worker = subprocess.Popen([freight, "worker"], env=env, stdout=logs[1], stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(base)
         _wait_for_worker(settings)
         api_rss, worker_rss = PeakRSS(api.pid), PeakRSS(worker.pid)
         idle = {"api_mb": round(psutil.Process(api.pid).memory_info().rss / MB, 1)}
@@ -188,15 +207,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             "worker_peak_rss_mb": worker_rss.peak_mb(),
         }
     finally:
-        for process in (api, worker):
-            process.send_signal(signal.SIGTERM)
-        for process in (api, worker):
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in logs:
-            log.close()
+        stop_all([api, worker], logs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from jobs.cli.client import FreightClient  # noqa: E402
 from jobs.domain.sample_docs import DOCUMENTS, SUMMARIZE_TEMPLATE  # noqa: E402
 from jobs.domain.settings import Settings  # noqa: E402
+from scripts.load_bench import wait_ready  # noqa: E402
 from storage import job_store  # noqa: E402
 from storage.db import make_engine, make_session_factory  # noqa: E402
 from storage.keys import create_key  # noqa: E402
@@ -93,13 +93,7 @@ def through_service(
     ]
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(base)
         engine = make_engine(settings.resolved_database_url)
         with make_session_factory(engine)() as session:
             key = create_key(session, "bench").key

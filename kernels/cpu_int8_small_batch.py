@@ -4,7 +4,7 @@ the weights once, between the same quantize and epilogue passes as the library G
 Below a few dozen rows a product is bound by reading its weights, and the library GEMMs fall far short of
 that: oneDNN's qlinear reads the LM head at ~3 GB/s at M = 1 on the 2-core AVX2 VM and loses to float32 up
 to M = 16. The products are exact integer sums, so with the same weight codes the results equal those of
-the library GEMM bit for bit, whichever path a batch size takes (worker/engine/small_batch_plan.py
+the library GEMM bit for bit, whichever path a batch size takes (worker/engine/plan/small_batch.py
 measures up to which M this one is faster).
 """
 

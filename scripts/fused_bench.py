@@ -1,6 +1,6 @@
 """Fused against split projections at Phi-3-mini's shapes (hidden 3072, 32 heads of 96, intermediate 8192):
 one q/k/v product against three, one gate/up product against two, on the engine's own linear layers (W8A8
-on the backend path_plan picks here, and bfloat16), median milliseconds per call. Phi-3 checkpoints ship
+on the backend the plan (worker/engine/plan/schemes.py) picks here, and bfloat16), median milliseconds per call. Phi-3 checkpoints ship
 qkv_proj and gate_up_proj fused; the engine keeps every family's projections fused (weights.py), and this
 says what splitting them would cost or save.
 
@@ -49,7 +49,7 @@ def main() -> int:
         parts = [torch.randn(n, HIDDEN, generator=gen) * 0.02 for n in sizes]
         for path, quantization in (("W8A8", "int8"), ("bfloat16", None)):
             def build(weight: torch.Tensor, quantization: str | None = quantization):
-                # W8A8 up to 64 rows on the small-batch kernel, as path_plan measures it on the AVX2 VM
+                # W8A8 up to 64 rows on the small-batch kernel, as the plan measures it on the AVX2 VM
                 return make_linear(weight, None, torch.bfloat16, quantization, int8_backend=backend,
                                    small_batch_rows=64)  # fmt: skip
 

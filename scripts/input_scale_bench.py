@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from jobs.cli.client import FreightClient  # noqa: E402
 from jobs.domain.settings import Settings  # noqa: E402
-from scripts.load_bench import MB, PeakRSS, _free_port, _wait_for_worker, stop_all, tiny_model, wait_ready  # noqa: E402
+from scripts.load_bench import _free_port, _wait_for_worker, stop_all, tiny_model, wait_ready  # noqa: E402
 from storage.db import make_engine, make_session_factory, upgrade  # noqa: E402
 from storage.keys import create_key  # noqa: E402
 from tests.s3_server import S3Server, seaweedfs, weed_binary  # noqa: E402
+from worker.bench.peak_rss import MB, PeakRSS  # noqa: E402
 
 PARKED_MODEL = "parked-model"  # accepted by the API, served by no worker: the job waits in its queue
 

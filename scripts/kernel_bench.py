@@ -5,6 +5,7 @@
   python scripts/kernel_bench.py --device cpu --ops small_batch   # the small-batch INT8 product's two AVX2 forms
   python scripts/kernel_bench.py --device cpu --ops amx_gemm      # the AMX tile GEMM vs oneDNN, a layer's products
   python scripts/kernel_bench.py --device cpu --ops greedy_head   # the fused greedy LM head vs logits + max
+  python scripts/kernel_bench.py --device cpu --ops ceiling       # the tier's INT8/bf16 product ceiling, 1.7B shapes
 
 Every case runs in its own try block: a failure is recorded in the JSON and the rest still run.
 Times are medians in milliseconds.
@@ -180,6 +181,34 @@ def linear_cases(device: str, quick: bool) -> list[dict]:
     return cases
 
 
+def ceiling_cases(device: str, quick: bool) -> list[dict]:
+    """The tier's matrix-product ceiling at a 1.7B model's layer shapes (hidden 2048, MLP 8192): giga
+    multiply-adds per second of each INT8 product Freight can run (torch._int_mm's s8 x s8, oneDNN's u8 x s8
+    qlinear with its activation quantization) and of bfloat16/float32 matmul, at prefill-sized M. The largest
+    INT8 rate is the ceiling a model's achieved rate is compared with (docs/benchmarks.md)."""
+    from kernels.cpu_int8_linear import int8_linear_onednn, onednn_available, prepack_onednn
+
+    cases = []
+    reps = 3 if quick else 10
+    for K, N in ((2048, 8192), (8192, 2048)):
+        w = torch.randn(N, K, device=device)
+        w_q, _ = quantize_weight_per_channel(w)  # [N, K]
+        w_kn = w_q.t()
+        packed = prepack_onednn(w) if device == "cpu" and onednn_available() else None
+        for M in (64, 256, 1024):
+            x = torch.randn(M, K, device=device)
+            x_q = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=device)
+            gmac = M * K * N / 1e9
+            case = dict(op="ceiling", M=M, K=K, N=N)
+            case["int_mm_gmacs"] = gmac / (time_ms(device, reps, torch._int_mm, x_q, w_kn) / 1e3)
+            if packed is not None:
+                case["onednn_gmacs"] = gmac / (time_ms(device, reps, int8_linear_onednn, x, packed) / 1e3)
+            case["bf16_gmacs"] = gmac / (time_ms(device, reps, torch.matmul, x.bfloat16(), w.bfloat16().t()) / 1e3)
+            case["fp32_gmacs"] = gmac / (time_ms(device, reps, torch.matmul, x, w.t()) / 1e3)
+            cases.append({k: round(v, 1) if isinstance(v, float) else v for k, v in case.items()})
+    return cases
+
+
 def small_batch_cases(device: str, quick: bool) -> list[dict]:
     """The CPU small-batch INT8 product of 7-bit codes in its two AVX2 forms (the same integers): the sign
     form and the unsigned-activation form that weight row sums allow. Gemma 3's LM head and layer shapes."""
@@ -310,7 +339,8 @@ def main() -> int:
         "errors": [],
     }
     suites = dict(decode=decode_cases, prefill=prefill_cases, write=write_cases, linear=linear_cases,
-                  small_batch=small_batch_cases, amx_gemm=amx_gemm_cases, greedy_head=greedy_head_cases)
+                  small_batch=small_batch_cases, amx_gemm=amx_gemm_cases, greedy_head=greedy_head_cases,
+                  ceiling=ceiling_cases)
     for op in args.ops.split(","):
         try:
             report["cases"].extend(suites[op](args.device, args.quick))

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -35,33 +34,7 @@ from jobs.cli.client import FreightClient  # noqa: E402
 from jobs.domain.settings import Settings  # noqa: E402
 from storage.db import make_engine, make_session_factory, upgrade  # noqa: E402
 from storage.keys import create_key  # noqa: E402
-
-MB = 1024 * 1024
-
-
-class PeakRSS:
-    """Samples the RSS of a process and its children in a thread; keeps the peak."""
-
-    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
-        self.process = psutil.Process(pid)
-        self.interval_s = interval_s
-        self.peak_bytes = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.interval_s):
-            try:
-                tree = [self.process, *self.process.children(recursive=True)]
-                self.peak_bytes = max(self.peak_bytes, sum(p.memory_info().rss for p in tree))
-            except psutil.Error:
-                return
-
-    def peak_mb(self) -> float:
-        self.stop.set()
-        self.thread.join(5)
-        return round(self.peak_bytes / MB, 1)
+from worker.bench.peak_rss import MB, PeakRSS  # noqa: E402
 
 
 def tiny_model(out_dir: Path, settings: Settings) -> Path:

@@ -73,6 +73,7 @@ def create_queued_job(
     deadline: datetime | None = None,
     deadline_warning: str | None = None,
     pieces: list[list[dict]] | None = None,  # an input by reference: each shard's row-group ranges
+    quote: dict[str, Any] | None = None,  # the job's quote at submission
 ) -> None:
     """A validated job, its shards and its events (validating at `created_at`, then queued now) in one
     transaction: all of them are stored, or (on any failure) none. `also` adds rows made with the job
@@ -94,6 +95,7 @@ def create_queued_job(
                 priority=priority,
                 deadline=deadline,
                 deadline_warning=deadline_warning,
+                quote=quote,
             ),
         )
         _add_shards(session, job_id, shards, pieces)

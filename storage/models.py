@@ -69,6 +69,8 @@ class Job(Base):
     deadline: Mapped[datetime | None] = mapped_column(default=None)
     deadline_warning: Mapped[str | None] = mapped_column(Text, default=None)  # the quote's ETA missed it
     expired_at: Mapped[datetime | None] = mapped_column(default=None)  # the deadline passed: cancelled
+    # Its quote at submission (jobs/domain/quote.py JobQuote): the report sets it beside what the job cost.
+    quote: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
     __table_args__ = (Index("ix_jobs_tenant_seq", "tenant", "seq"),)
 
@@ -86,6 +88,8 @@ class Shard(Base):
     owner: Mapped[str | None] = mapped_column(String(200), default=None)
     lease_until: Mapped[datetime | None] = mapped_column(default=None)
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    # A failed attempt's retry delay: no ticket claims the shard before then (shard_store.claim_next_shard).
+    retry_at: Mapped[datetime | None] = mapped_column(default=None)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -274,4 +278,5 @@ class ResultCacheEntry(Base):
     finish_reason: Mapped[str] = mapped_column(String(20))
     device_seconds: Mapped[float] = mapped_column(Float)  # the row's share of its shard's engine time
     job_id: Mapped[str] = mapped_column(String(40))  # the job that ran it (kept if that job is deleted)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Entries expire FREIGHT_RESULT_CACHE_TTL_SECONDS after this (the index serves the recovery sweep).
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

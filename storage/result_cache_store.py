@@ -1,12 +1,15 @@
 """The result cache: each tenant's finished outputs by key digest (worker/shard/cache_key.py). Looked up
-before a shard runs, written after it finishes; a row of one tenant never finds another tenant's."""
+before a shard runs, written after it finishes; a row of one tenant never finds another tenant's. An
+entry stored before `fresh_since` (FREIGHT_RESULT_CACHE_TTL_SECONDS ago) has expired: a lookup neither
+returns nor keeps it (so the row runs and stores a fresh one), and the recovery sweep deletes the rest."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from storage.db import chunked, insert_ignoring_duplicates
@@ -25,8 +28,20 @@ class CachedOutput:
     device_seconds: float
 
 
-def cached_outputs(session: Session, *, tenant: str, keys: Sequence[str]) -> dict[str, CachedOutput]:
-    """{key: output} for the keys the tenant has a finished row for."""
+def cached_outputs(
+    session: Session, *, tenant: str, keys: Sequence[str], fresh_since: datetime
+) -> dict[str, CachedOutput]:
+    """{key: output} for the keys the tenant has a finished row for, stored at or after `fresh_since`.
+    Expired entries of these keys are deleted first (commits), so the rows that run store fresh ones."""
+    for chunk in chunked(sorted(set(keys))):
+        session.execute(
+            delete(ResultCacheEntry).where(
+                ResultCacheEntry.tenant == tenant,
+                ResultCacheEntry.key.in_(chunk),
+                ResultCacheEntry.created_at < fresh_since,
+            )
+        )
+    session.commit()
     found: dict[str, CachedOutput] = {}
     columns = (
         ResultCacheEntry.key,
@@ -37,7 +52,11 @@ def cached_outputs(session: Session, *, tenant: str, keys: Sequence[str]) -> dic
         ResultCacheEntry.device_seconds,
     )
     for chunk in chunked(sorted(set(keys))):
-        query = select(*columns).where(ResultCacheEntry.tenant == tenant, ResultCacheEntry.key.in_(chunk))
+        query = select(*columns).where(
+            ResultCacheEntry.tenant == tenant,
+            ResultCacheEntry.key.in_(chunk),
+            ResultCacheEntry.created_at >= fresh_since,
+        )
         found.update((row.key, CachedOutput(*row)) for row in session.execute(query))
     return found
 
@@ -64,3 +83,10 @@ def remember_outputs(session: Session, *, tenant: str, job_id: str, outputs: Seq
         total += insert_ignoring_duplicates(session, ResultCacheEntry, chunk, unique=("tenant", "key"), commit=False)
     session.commit()
     return total
+
+
+def delete_expired(session: Session, *, before: datetime) -> int:
+    """Delete every tenant's entries stored before `before` (the recovery sweep); commits. Returns how many."""
+    deleted = session.execute(delete(ResultCacheEntry).where(ResultCacheEntry.created_at < before)).rowcount
+    session.commit()
+    return deleted

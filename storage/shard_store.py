@@ -9,9 +9,10 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Float, and_, case, cast, func, literal, or_, select, update
+from sqlalchemy import Float, and_, case, cast, func, literal, not_, or_, select, tuple_, update
 from sqlalchemy.orm import Session, aliased
 
+from storage.db import chunked
 from storage.models import Job, Shard, utcnow
 from storage.priority import PRIORITY_RANK
 from storage.status import ACTIVE_JOB_STATUSES, FINAL_SHARD_STATUSES, ShardStatus
@@ -24,14 +25,26 @@ class Claim(StrEnum):
     MISSING = "missing"
 
 
-def claim_shard(session: Session, job_id: str, shard_index: int, owner: str, lease_seconds: float) -> Claim:
+def claim_shard(
+    session: Session,
+    job_id: str,
+    shard_index: int,
+    owner: str,
+    lease_seconds: float,
+    *,
+    wait_retry: bool = False,
+) -> Claim:
+    """Claim one shard. `wait_retry`: a shard still in its retry delay is HELD (a broker's message looks
+    again later); the embedded runner, which retries back to back, does not wait."""
     now = utcnow()
+    waited = [_retry_due(now)] if wait_retry else []
     result = session.execute(
         update(Shard)
         .where(
             Shard.job_id == job_id,
             Shard.shard_index == shard_index,
             _free(now, owner=owner),
+            *waited,
         )
         .values(
             status=ShardStatus.RUNNING,
@@ -40,6 +53,7 @@ def claim_shard(session: Session, job_id: str, shard_index: int, owner: str, lea
             heartbeat_at=now,
             attempts=Shard.attempts + 1,
             started_at=func.coalesce(Shard.started_at, now),
+            retry_at=None,
         )
     )
     session.commit()
@@ -69,14 +83,21 @@ def claim_next_shard(
     """Claim the best shard of `model` nobody runs, in any active job, and return its (job id, shard
     index); None when there is none. Best: shards of a cancelled job first (they only need marking),
     then by priority class, then (with `fair_share`) the least used tenant, then the earliest deadline
-    (none last), then submission order. SKIP LOCKED lets workers claiming at once take different shards."""
+    (none last), then submission order. SKIP LOCKED lets workers claiming at once take different shards.
+    A shard whose last attempt failed waits out its retry delay (`retry_at`, set by `release_shard`):
+    another job's ticket does not retake it at once."""
     now = utcnow()
     rank = case(PRIORITY_RANK, value=Job.priority, else_=len(PRIORITY_RANK))
     order: list[Any] = [Job.cancel_requested.desc(), rank]
     query = (
         select(Shard.job_id, Shard.shard_index)
         .join(Job, Job.id == Shard.job_id)
-        .where(Job.model == model, Job.status.in_(list(ACTIVE_JOB_STATUSES)), _free(now))
+        .where(
+            Job.model == model,
+            Job.status.in_(list(ACTIVE_JOB_STATUSES)),
+            _free(now),
+            _retry_due(now),
+        )
     )
     if fair_share is not None:
         used = _tenant_use(model, fair_share.since)
@@ -157,14 +178,25 @@ def release_shard(
     error: str | None,
     *,
     count_attempt: bool = True,
+    retry_after_seconds: float = 0.0,
 ) -> bool:
     """Hand the shard back (a failed attempt, a worker shutting down) so the next delivery runs it.
-    A hand-back on shutdown is not a failed attempt: count_attempt=False takes the claim back."""
+    A hand-back on shutdown is not a failed attempt: count_attempt=False takes the claim back. A failed
+    attempt's retry delay (`retry_after_seconds`) holds off claims by ticket (claim_next_shard) as the
+    broker holds off the shard's own retried message."""
     attempts = Shard.attempts if count_attempt else Shard.attempts - 1
+    retry_at = utcnow() + timedelta(seconds=retry_after_seconds) if retry_after_seconds > 0 else None
     result = session.execute(
         update(Shard)
         .where(*_held_by(job_id, shard_index, owner))
-        .values(status=ShardStatus.PENDING, owner=None, lease_until=None, error=error, attempts=attempts)
+        .values(
+            status=ShardStatus.PENDING,
+            owner=None,
+            lease_until=None,
+            error=error,
+            attempts=attempts,
+            retry_at=retry_at,
+        )
     )
     session.commit()
     return result.rowcount == 1
@@ -179,9 +211,26 @@ def _free(now: datetime, *, owner: str | None = None):
     return or_(Shard.status == ShardStatus.PENDING, (Shard.status == ShardStatus.RUNNING) & lapsed)
 
 
+def _retry_due(now: datetime):
+    """The shard is not waiting out a failed attempt's retry delay."""
+    return or_(Shard.retry_at.is_(None), Shard.retry_at <= now)
+
+
 def idle_shards(session: Session, *, job_id: str, now: datetime) -> list[int]:
     """Shards of the job nobody is running: pending, or running under a lease that has lapsed."""
     return list(session.scalars(select(Shard.shard_index).where(Shard.job_id == job_id, _free(now))))
+
+
+def not_idle_shards(session: Session, keys: list[tuple[str, int]], *, now: datetime) -> set[tuple[str, int]]:
+    """Of the (job id, shard index) pairs, the shards that exist and that nobody needs to run: running
+    under a live lease, or finished (the recovery sweep counts the tickets of such shards as spare)."""
+    found: set[tuple[str, int]] = set()
+    for chunk in chunked(sorted(set(keys))):
+        query = select(Shard.job_id, Shard.shard_index).where(
+            tuple_(Shard.job_id, Shard.shard_index).in_(chunk), not_(_free(now))
+        )
+        found.update((job_id, index) for job_id, index in session.execute(query))
+    return found
 
 
 def _held_by(job_id: str, shard_index: int, owner: str) -> tuple:

@@ -29,7 +29,16 @@ def register_tasks(
     dispatcher = CeleryDispatcher(ctx.settings, app=app)
 
     @app.task(name=TASK_RUN_SHARD, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
-    def run_shard_task(self: Task, job_id: str, shard_index: int) -> dict:
+    def run_shard_task(
+        self: Task,
+        job_id: str,
+        shard_index: int,
+        tenant: str | None = None,
+        priority: str | None = None,
+        deadline: str | None = None,
+    ) -> dict:
+        # tenant, priority, deadline: the message's job's schedule, for Flower's task page only
+        # (jobs.domain.broker.TaskLabels); the shard run is the best free one, named in the result.
         last_progress: dict = {}  # the final numbers also go into the task's result (Flower keeps that)
 
         def progress(update: ShardProgress) -> None:
@@ -67,7 +76,10 @@ def register_tasks(
             # if it finishes, the next look finds the shard finished.
             delay = policy.held_delay_s
             log.info(
-                "shard %d of %s is held by another worker; looking again in %.0fs", shard_index, job_id, delay
+                "shard %d of %s is held by another worker (or waits out its retry delay); looking again in %.0fs",
+                shard_index,
+                job_id,
+                delay,
             )
             raise self.retry(countdown=delay)
         if outcome.ready_to_finalize:

@@ -3,32 +3,29 @@ and sees only the jobs of the key's tenant."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
-from starlette.background import BackgroundTask
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from jobs.api.auth import Service, Tenant
-from jobs.api.downloads import file_response
+from jobs.api.downloads import file_response, open_file_response
 from jobs.api.edge import BodyTimeout, InternalErrors, check_query_text, parse_json_input
-from jobs.api.multipart import FormSpec, file_part, form_dependency
+from jobs.api.multipart import FormSpec, file_part, form_dependency, read_form
 from jobs.api.openai_batch import openai_batch_router
 from jobs.api.prometheus import install_metrics
-from jobs.api.reference_jobs import add_reference_routes
+from jobs.api.reference_jobs import REFERENCE_BODY, add_reference_routes, read_reference_body
 from jobs.api.upload_limit import UploadLimit
 from jobs.domain.broker import CeleryDispatcher
 from jobs.domain.errors import Conflict, InputError, NotFound, clip, clip_repr, error_body
@@ -37,10 +34,12 @@ from jobs.domain.json_limits import JsonLimits
 from jobs.domain.quote import JobQuote, QuoteService
 from jobs.domain.recovery import start_recovery
 from jobs.domain.report import job_report_html
+from jobs.domain.results_url import DEFAULT_EXPIRY_S, MAX_EXPIRY_S, ResultsURL, results_url
 from jobs.domain.schemas import JobEventOut, JobList, JobMetrics, JobObject, JobParams, job_params
 from jobs.domain.service import BrokerUnavailable, JobService
 from jobs.domain.settings import Settings, blob_store
 from storage.db import make_engine, make_session_factory
+from storage.scratch import scratch_file
 from storage.status import JobStatus
 
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
@@ -182,6 +181,15 @@ SUBMIT_BODY = {
 }
 
 
+# A quote takes either body of a submission: the upload's multipart form, or the JSON of a job by reference.
+QUOTE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {**SUBMIT_BODY["requestBody"]["content"], **REFERENCE_BODY["requestBody"]["content"]},
+    }
+}
+
+
 def _parse_params(raw: str | None, limits: JsonLimits) -> JobParams:
     if raw is None:
         return JobParams()
@@ -234,13 +242,23 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         check_length(request)
         return service.submit(tenant, file.file, _parse_params(params, settings.json_limits))
 
-    @app.post("/v1/jobs/quote", response_model=JobQuote, tags=["jobs"], openapi_extra=SUBMIT_BODY)
-    def quote_job(request: Request, _tenant: Tenant, service: Service, form: JobForm) -> JobQuote:
-        """What the job would cost and when it would finish: the body of a submission, the submission's
-        checks (the same 4xx), and nothing stored or queued."""
-        file, params = file_part(form, "file"), form.get("params")
-        check_length(request)
-        return QuoteService(service).quote(file.file, _parse_params(params, settings.json_limits))
+    @app.post("/v1/jobs/quote", response_model=JobQuote, tags=["jobs"], openapi_extra=QUOTE_BODY)
+    async def quote_job(request: Request, _tenant: Tenant, service: Service) -> JobQuote:
+        """What the job would cost and when it would finish: the body of a submission (a multipart upload
+        as for POST /v1/jobs, or the JSON of POST /v1/jobs/by-reference), the submission's checks (the
+        same 4xx), and nothing stored or queued."""
+        quotes = QuoteService(service)
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+            body = await read_reference_body(request, settings.json_limits)
+            return await run_in_threadpool(quotes.quote_by_reference, body.uris, job_params(body.params))
+        form = await read_form(request, JOB_FORM)
+        try:
+            file, params = file_part(form, "file"), form.get("params")
+            check_length(request)
+            parsed = _parse_params(params, settings.json_limits)
+            return await run_in_threadpool(quotes.quote, file.file, parsed)
+        finally:
+            await form.close()
 
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(
@@ -268,24 +286,32 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/v1/jobs/{job_id}/results", tags=["jobs"], response_class=FileResponse)
     def job_results(tenant: Tenant, service: Service, job_id: JobId) -> Response:
-        handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-partial-")
-        os.close(handle)
-        try:
-            where, final = service.results_source(tenant, job_id, Path(scratch))
-        except BaseException:
-            os.unlink(scratch)
-            raise
-        cleanup = BackgroundTask(os.unlink, scratch)
+        filename = f"{job_id}-results.parquet"
+        # The rows finished so far go to a scratch file whose name is gone before the response is sent:
+        # the open handle serves them, and no path is left behind on any path (storage/scratch.py).
+        with scratch_file("freight-partial-", ".parquet") as scratch:
+            where, final = service.results_source(tenant, job_id, scratch)
+            if not final:
+                partial = open(scratch, "rb")  # noqa: SIM115 - the response closes it
         if final:
-            os.unlink(scratch)
-            cleanup = None
-        return file_response(
-            where,
-            media_type=PARQUET_MEDIA_TYPE,
-            filename=f"{job_id}-results.parquet",
-            headers={"X-Freight-Results": "final" if final else "partial"},
-            background=cleanup,
+            return file_response(
+                where, media_type=PARQUET_MEDIA_TYPE, filename=filename, headers={"X-Freight-Results": "final"}
+            )
+        return open_file_response(
+            partial, media_type=PARQUET_MEDIA_TYPE, filename=filename, headers={"X-Freight-Results": "partial"}
         )
+
+    @app.get("/v1/jobs/{job_id}/results/url", response_model=ResultsURL, tags=["jobs"])
+    def job_results_url(
+        tenant: Tenant,
+        service: Service,
+        job_id: JobId,
+        expires_in: Annotated[int, Query(ge=1, le=MAX_EXPIRY_S, description="seconds")] = DEFAULT_EXPIRY_S,
+    ) -> ResultsURL:
+        """A pre-signed URL of the final results in the S3 store (409 on a local-folder store, or before
+        the job is final): anyone holding it can GET the file until it expires, so it goes to the job's
+        own tenant only."""
+        return results_url(service, tenant, job_id, expires_in)
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, tags=["jobs"])
     def job_metrics(tenant: Tenant, service: Service, job_id: JobId) -> dict:

@@ -3,7 +3,9 @@ file in an object store streamed a chunk at a time, so the API never holds a who
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -38,3 +40,20 @@ def file_response(
                 yield chunk
 
     return StreamingResponse(chunks(), media_type=media_type, headers=headers, background=background)
+
+
+def open_file_response(
+    handle: BinaryIO, *, media_type: str, filename: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
+    """An open local file streamed a chunk at a time and closed at the end: a scratch file whose name is
+    already gone (storage/scratch.py), so nothing is left behind whether the response completes or not."""
+    headers = {**(headers or {}), "content-length": str(os.fstat(handle.fileno()).st_size)}
+    if filename is not None:
+        headers["content-disposition"] = f'attachment; filename="{filename}"'
+
+    def chunks() -> Iterator[bytes]:
+        with handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                yield chunk
+
+    return StreamingResponse(chunks(), media_type=media_type, headers=headers)

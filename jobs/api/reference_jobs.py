@@ -48,7 +48,7 @@ REFERENCE_BODY = {
 }
 
 
-async def _body(request: Request, limits: JsonLimits) -> ReferenceJob:
+async def read_reference_body(request: Request, limits: JsonLimits) -> ReferenceJob:
     content_type = request.headers.get("content-type", "")
     raw = await request.body()
     if content_type.split(";")[0].strip().lower() != "application/json":
@@ -86,6 +86,6 @@ def add_reference_routes(app: FastAPI, limits: JsonLimits) -> None:
         """Submit a job whose input Parquet files are read where they are (s3:// URIs the operator allows
         in FREIGHT_INPUT_ALLOW): validated and sharded in place, nothing copied; 4xx naming the URI when
         one is not allowed, not s3://, missing or not Parquet, before anything is stored."""
-        body = await _body(request, limits)
+        body = await read_reference_body(request, limits)
         params = job_params(body.params)
         return await run_in_threadpool(service.submit_by_reference, tenant, body.uris, params)

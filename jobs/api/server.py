@@ -5,6 +5,11 @@ with a 400 of its own, plain text. These protocol classes answer the same 400 as
 `{"error": {"message", "type", "param", "code"}}`, and still close the connection (after a framing
 error nothing more on it can be trusted).
 
+A connection carries one answer per request. Where the app has already answered the request whose bytes
+turn out broken (an early answer: a 401, or a 413 for a body over the limit, sent before the body was
+read), or an answer is on its way, a 400 would be a second answer nobody asked for (uvicorn's httptools
+protocol sent one): the connection is then only closed, cleanly, after the answer already given.
+
 httptools is installed with uvicorn[standard] (a dependency), so `freight api` runs
 FreightHttpToolsProtocol; the h11 fallback runs only where httptools cannot be installed. h11 alone
 reads a request with both Content-Length and chunked Transfer-Encoding as chunked and keeps the
@@ -37,9 +42,16 @@ class _LingeringClose:
     EOF or after LINGER_S, as web servers' lingering close does."""
 
     transport: asyncio.Transport
+    cycle: Any  # uvicorn's RequestResponseCycle of the latest request (None before the first)
     lingering = False
 
     def close_after_answer(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The app's answer (started or not) can no longer go out whole: it is dropped, and a route
+            # still reading the body is told the client is gone.
+            cycle.disconnected = True
+            cycle.message_event.set()
         if not self.transport.can_write_eof():
             self.transport.close()
             return
@@ -53,9 +65,32 @@ class _LingeringClose:
 
 
 class FreightHttpToolsProtocol(_LingeringClose, HttpToolsProtocol):
-    """uvicorn's httptools protocol (its default where httptools is installed) with JSON 400s."""
+    """uvicorn's httptools protocol (its default where httptools is installed) with JSON 400s, and at most
+    one answer per request (see the module's docstring)."""
+
+    reading_body = False  # the latest request's headers are parsed and its body is not complete yet
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self.reading_body = True
+
+    def on_message_complete(self) -> None:
+        self.reading_body = False
+        super().on_message_complete()
+
+    def may_answer(self) -> bool:
+        """Whether a 400 for bytes that do not parse is this connection's next answer: no request is
+        waiting for its answer (the broken bytes begin a new request), or the broken request is the one
+        being read and nothing of its answer has gone out (and no earlier request is still queued)."""
+        cycle = self.cycle
+        if cycle is None or (cycle.response_complete and not self.reading_body):
+            return True
+        return self.reading_body and not cycle.response_started and not self.pipeline
 
     def send_400_response(self, msg: str) -> None:
+        if not self.may_answer():
+            self.close_after_answer()  # the answer already given (or on its way) stays the only one
+            return
         body = protocol_error_body(msg)
         content = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in self.server_state.default_headers:
@@ -98,7 +133,7 @@ class FreightH11Protocol(_LingeringClose, H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             # The app has answered this request already (its body was still arriving): no second answer
             # can be framed, so the connection is only closed (h11 would raise, and asyncio reset it).
-            self.transport.close()
+            self.close_after_answer()
             return
         body = protocol_error_body(msg)
         headers = [

@@ -88,17 +88,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
+    from jobs.domain.engine_settings import engine_options_of
+    from worker.engine.config import EngineConfig
     from worker.engine.doctor import doctor_report, format_report
 
     settings = Settings()
-    quantization = args.quantization or settings.quantization
-    report = doctor_report(
-        model=args.model or settings.default_model,
-        dtype=args.dtype or settings.dtype,
-        quantization=None if quantization in (None, "none") else quantization,
-        cache_dir=str(settings.models_dir),
-        max_num_seqs=settings.max_num_seqs,
-    )
+    # every engine option as a worker loads with it (derived from the one declaration of the options), then
+    # what the flags ask
+    options = engine_options_of(settings) | {"model": args.model or settings.default_model,
+                                             "cache_dir": str(settings.models_dir)}  # fmt: skip
+    if args.dtype:
+        options["dtype"] = args.dtype
+    if args.quantization:
+        options["quantization"] = None if args.quantization.lower() in ("none", "off") else args.quantization
+    report = doctor_report(EngineConfig(**options))
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 

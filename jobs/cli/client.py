@@ -136,6 +136,18 @@ class FreightClient:
         /v1/jobs/quote): the same checks, nothing stored or queued. Returns the quote (JobQuote's fields)."""
         return self._request("POST", "/v1/jobs/quote", **_job_body(file, params, param_fields)).json()
 
+    def quote_by_reference(
+        self,
+        uris: str | Sequence[str],
+        params: JobParams | dict[str, Any] | None = None,
+        **param_fields: Any,
+    ) -> dict[str, Any]:
+        """What `submit_by_reference` with the same arguments would cost and when it would finish: the
+        files are checked in place, nothing is stored or queued."""
+        uri_list = [uris] if isinstance(uris, str) else list(uris)
+        payload = {"input_uris": uri_list, "params": _params(params, param_fields)}
+        return self._request("POST", "/v1/jobs/quote", json=payload).json()
+
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}").json()
 
@@ -177,6 +189,13 @@ class FreightClient:
 
     def results_table(self, job_id: str) -> pa.Table:
         return pq.read_table(io.BytesIO(self.results_bytes(job_id)))
+
+    def results_url(self, job_id: str, expires_in: int | None = None) -> dict[str, Any]:
+        """A pre-signed URL of the final results on an S3 store ({url, expires_at, expires_in}; seconds,
+        the service's default when None): any HTTP client can GET it, without the API key, until it
+        expires."""
+        query = {} if expires_in is None else {"expires_in": expires_in}
+        return self._request("GET", f"/v1/jobs/{job_id}/results/url", params=query).json()
 
     def download_results(self, job_id: str, path: str | Path) -> Path:
         path = Path(path)

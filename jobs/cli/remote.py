@@ -39,7 +39,7 @@ def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Calla
     add_job_param_args(submit)
 
     quote = remote("quote", "price a job before submitting it: tokens, device-seconds, cost, ETA", cmd_quote)
-    quote.add_argument("file")
+    quote.add_argument("file", nargs="+", help="the Parquet file, or s3:// URIs, as for `submit`")
     add_job_param_args(quote)
 
     status = remote("status", "show a job", cmd_status)
@@ -48,6 +48,12 @@ def add_commands(commands: argparse._SubParsersAction, add_job_param_args: Calla
     results = remote("results", "download a job's results Parquet", cmd_results)
     results.add_argument("job_id")
     results.add_argument("-o", "--output", required=True)
+
+    results_url = remote(
+        "results-url", "print a pre-signed URL of a job's results (S3 store only)", cmd_results_url
+    )
+    results_url.add_argument("job_id")
+    results_url.add_argument("--expires-in", type=int, help="seconds (default: the service's, an hour)")
 
     cancel = remote("cancel", "cancel a job", cmd_cancel)
     cancel.add_argument("job_id")
@@ -103,24 +109,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if job["status"] == "completed" else 1
 
 
-def _submit(client: FreightClient, inputs: list[str], params: dict[str, Any]) -> dict[str, Any]:
+def _submit(
+    client: FreightClient, inputs: list[str], params: dict[str, Any], *, quote: bool = False
+) -> dict[str, Any]:
     """An upload of one local file, or a submission by reference of URIs (the service decides which it
-    may read: a file:// or http:// URI is sent too, and refused there with the reason)."""
+    may read: a file:// or http:// URI is sent too, and refused there with the reason); with `quote`,
+    the quote of that submission."""
     uris = [item for item in inputs if "://" in item]
     if uris and len(uris) < len(inputs):
         raise CLIError("name either one local file to upload or only URIs (s3://...), not both")
     if uris:
-        return client.submit_by_reference(uris, params)
+        return (client.quote_by_reference if quote else client.submit_by_reference)(uris, params)
     if len(inputs) > 1:
         raise CLIError(f"{len(inputs)} local files: upload one file per job (or name s3:// URIs)")
-    return client.submit(inputs[0], params)
+    return (client.quote if quote else client.submit)(inputs[0], params)
 
 
 def cmd_quote(args: argparse.Namespace) -> int:
     """The quote as JSON on stdout; a one-line summary on stderr (stdout stays JSON)."""
     params = params_dict_from_args(args)
     with _client(args) as client:
-        quote = _call(lambda: client.quote(args.file, params))
+        quote = _call(lambda: _submit(client, args.file, params, quote=True))
     _print_json(quote)
     print(quote_line(quote), file=sys.stderr)
     return 0
@@ -196,6 +205,13 @@ def cmd_results(args: argparse.Namespace) -> int:
     with _client(args) as client:
         _call(lambda: client.download_results(args.job_id, Path(args.output)))
     print(f"results: {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_results_url(args: argparse.Namespace) -> int:
+    """{url, expires_at, expires_in} as JSON on stdout."""
+    with _client(args) as client:
+        _print_json(_call(lambda: client.results_url(args.job_id, args.expires_in)))
     return 0
 
 

@@ -12,14 +12,12 @@ Two writers at once (a worker and a sweep) may both write them; one conditional 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from jobs.domain.openai_batch import LineError, error_line, jsonl, output_line
@@ -28,6 +26,7 @@ from jobs.domain.service import JobService
 from storage import job_store, openai_store
 from storage.arrow_path import parquet_file
 from storage.models import Job, OpenAIBatch, as_utc, utcnow
+from storage.scratch import scratch_file
 from storage.status import COMPLETED_FINISH_REASONS, FinishReason, JobStatus
 
 OUTPUT_PURPOSE = "batch_output"
@@ -179,11 +178,12 @@ class BatchFiles:
     def _results(self, tenant: str, job_id: str) -> Iterator[dict[str, Any]]:
         """The job's result rows in row order, a Parquet batch at a time: its final results file
         (every row), or, for a job that failed before writing one, the rows stored."""
-        handle, scratch = tempfile.mkstemp(suffix=".parquet", prefix="freight-batch-")
-        os.close(handle)
-        try:
-            source, _final = self.jobs.results_source(tenant, job_id, Path(scratch))
-            for batch in parquet_file(source).iter_batches(batch_size=RESULT_BATCH_ROWS):
+        # The stored rows go to a scratch file whose name is removed before they are read: the open
+        # handle reads them, so no path is left behind however the files' writing ends (storage/scratch.py).
+        with scratch_file("freight-batch-", ".parquet") as scratch:
+            source, final = self.jobs.results_source(tenant, job_id, scratch)
+            stored = None if final else open(scratch, "rb")  # noqa: SIM115 - closed below
+        with stored or nullcontext():
+            parquet = parquet_file(source) if stored is None else pq.ParquetFile(stored)
+            for batch in parquet.iter_batches(batch_size=RESULT_BATCH_ROWS):
                 yield from batch.to_pylist()
-        finally:
-            os.unlink(scratch)

@@ -7,6 +7,8 @@ import base64
 import hashlib
 import json
 import re
+from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import PurePath
 from typing import Any
 
@@ -18,6 +20,25 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 # (task name, job id, shard index or None for finalize): one piece of work a message carries.
 WorkKey = tuple[str, str, int | None]
+
+
+@dataclass(frozen=True)
+class TaskLabels:
+    """The schedule of a shard message's job, sent as the task's keyword arguments so Flower's task page
+    shows whose job it is and how it is scheduled (the job id is its first argument). The worker does not
+    read them: a ticket runs the best free shard (docs/scheduling.md), and the task's result names the
+    shard it ran."""
+
+    tenant: str
+    priority: str
+    deadline: str | None  # ISO 8601, UTC
+
+    @classmethod
+    def of(cls, tenant: str, priority: str, deadline: datetime | None) -> TaskLabels:
+        return cls(tenant, priority, None if deadline is None else deadline.isoformat(timespec="seconds"))
+
+    def kwargs(self) -> dict[str, str | None]:
+        return asdict(self)
 
 
 def message_work(raw: bytes) -> WorkKey | None:
@@ -93,11 +114,16 @@ class CeleryDispatcher:
             app.conf.update(celery_config(settings))
         self.app = app
 
-    def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None:
+    def dispatch(
+        self, job_id: str, model: str, shard_indices: list[int], labels: TaskLabels | None = None
+    ) -> None:
         queue = queue_for_model(self.settings, model)
+        kwargs = {} if labels is None else labels.kwargs()
         with self.app.producer_or_acquire() as producer:
             for index in shard_indices:
-                self.app.send_task(TASK_RUN_SHARD, args=[job_id, index], queue=queue, producer=producer)
+                self.app.send_task(
+                    TASK_RUN_SHARD, args=[job_id, index], kwargs=kwargs, queue=queue, producer=producer
+                )
 
     def withdraw(self, job_id: str, model: str) -> int:
         """Take the job's shard messages that no worker has taken yet back out of the model's queue (a

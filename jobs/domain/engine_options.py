@@ -36,11 +36,11 @@ class EngineOptions:
     )
     dtype: Dtype = option(
         "auto",
-        "Compute dtype: `auto` (measured fastest at load, `path_plan.py`), `float32`, `bfloat16` or `float16`.",
+        "Compute dtype: `auto` (measured fastest at load, `plan/schemes.py`), `float32`, `bfloat16` or `float16`.",
     )
     quantization: Quantization = option(
         "auto",
-        "Weights: `auto` (the INT8 scheme measured fastest on this machine (`path_plan.py`), or none), `int8` "
+        "Weights: `auto` (the INT8 scheme measured fastest on this machine (`plan/schemes.py`), or none), `int8` "
         "(W8A8) or `none`.",
     )
     int8_backend: Int8Backend = option(

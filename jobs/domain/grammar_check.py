@@ -9,10 +9,11 @@ check says nothing (`None`) and the worker still fails such a row alone, with th
 Budget (docs/input-rules.md): one submission may spend `FREIGHT_GRAMMAR_BUDGET_SECONDS` on its checks, all
 of them together (`SubmissionGrammar`): the engine's time, so waiting for the child to (re)start or for
 another submission's check is not counted. A constraint whose compilation does not finish in what is left is
-refused (422, "over the time budget"), never waved through; the stuck child is killed and a fresh one
-started at once in the background, so the next submission waits only for what is left of that start. Each distinct
-constraint is asked at most once per submission, and a schema's patterns are asked as the regexes they
-are, so a pattern is refused exactly when the same bare `regex` would be.
+refused (422, "over the time budget"), never waved through; the stuck child is killed and a warm standby
+child takes its place at once (`GrammarChecker`), so the next submission does not wait for a start. Each
+distinct constraint (by its canonical form: `canonical_key`) is asked at most once per submission and once
+per process, and a schema's patterns are asked as the regexes they are, so a pattern is refused exactly
+when the same bare `regex` would be.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.domain.constraint_limits import schema_patterns
@@ -75,18 +76,57 @@ def over_budget_message(spec: StructuredSpec, seconds: float) -> str:
     )
 
 
+@dataclass
+class _Child:
+    """One `freight-grammar-check` process, started in the background: `ready` is set once its ready line
+    came (`ok`) or it failed to start."""
+
+    process: subprocess.Popen[str] | None
+    ready: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+def canonical_key(spec: StructuredSpec) -> tuple[str, str]:
+    """The cache key of a constraint: a json_schema is parsed and written with sorted keys and compact
+    separators, so the same schema sent with another key order or other whitespace is one entry (whether
+    the grammar engine accepts a schema does not depend on either)."""
+    value = spec.value
+    if spec.kind == "json_schema" and isinstance(value, str):
+        try:
+            # the text was parsed within the schema limits already (structured_spec.schema_text)
+            return spec.kind, json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            pass
+    return spec.kind, json.dumps(value)
+
+
 class GrammarChecker:
     """`refusal(spec)`: the grammar engine's reason for refusing `spec`, or None (accepted, or unknown).
-    `ask(spec, timeout)` is the same with a deadline: OverBudget when the engine takes longer."""
+    `ask(spec, timeout)` is the same with a deadline: OverBudget when the engine takes longer.
 
-    def __init__(self, command: list[str] | None = None) -> None:
+    Starting a child costs seconds (it imports torch and xgrammar). So once the first child is ready a
+    second one is started in the background and kept warm (`standby`); when the active child is killed
+    (over its budget) or dies, the standby takes its place at once and another standby is started, so
+    the next submission does not wait for a start. The price is a second idle process."""
+
+    def __init__(self, command: list[str] | None = None, *, standby: bool = True) -> None:
         self._command = command or check_command()
-        self._process: subprocess.Popen[str] | None = None
-        self._ready: threading.Event | None = None  # set once the child's ready line came (or it failed)
-        self._ready_ok = False
+        self._keep_standby = standby
+        self._active: _Child | None = None
+        self._standby: _Child | None = None
         self._unavailable = False  # the child could not start: stop trying
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        self.spawned = 0  # children started (tests count them)
 
     def refusal(self, spec: StructuredSpec) -> str | None:
         try:
@@ -104,7 +144,7 @@ class GrammarChecker:
     ) -> Checked:
         """`ask`, with the engine's time: `timeout` bounds the engine's work only. `budget_s`: the budget a
         cached over-budget refusal names (else `timeout`)."""
-        key = (spec.kind, json.dumps(spec.value))
+        key = canonical_key(spec)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -120,6 +160,35 @@ class GrammarChecker:
             self._remember(key, answer.refusal)
             return answer
 
+    def count_tokens(self, request: dict, timeout: float) -> list[int | None] | None:
+        """A quote's exact prompt tokens, counted by the same child with the model's tokenizer
+        (worker/engine/token_count.py says the request and the answer; jobs/domain/prompt_tokens.py asks);
+        None when it cannot answer within `timeout` (no child, the model not on this host)."""
+        with self._lock:
+            try:
+                process = self._started()
+            except _NoAnswer:
+                return None
+            try:
+                process.stdin.write(json.dumps({"count_tokens": request}) + "\n")
+                process.stdin.flush()
+                answer = json.loads(_read_line(process, timeout))
+            except (TimeoutError, OSError, ValueError) as exc:
+                log.warning("token count failed (%s); the grammar check's process is replaced", exc)
+                self._replace_active()
+                return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            log.info("no exact prompt tokens: %s", str(answer)[:200])
+            return None
+        return tokens
+
+    def standby_ready(self, timeout: float) -> bool:
+        """Whether a warm standby child is ready within `timeout` seconds (it is started after the first
+        check; tests and operators wait on it)."""
+        standby = self._standby
+        return standby is not None and standby.ready.wait(timeout) and standby.ok and standby.alive()
+
     def close(self) -> None:
         with self._lock:
             self._stop()
@@ -129,7 +198,7 @@ class GrammarChecker:
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
 
-    # -- the child process (called under the lock) ------------------------------------------------------
+    # -- the child processes (called under the lock) ----------------------------------------------------
 
     def _ask(self, request: dict, timeout: float) -> Checked:
         process = self._started()
@@ -140,34 +209,45 @@ class GrammarChecker:
             line = _read_line(process, timeout)
             return Checked(json.loads(line)["refusal"], time.monotonic() - started)
         except TimeoutError as exc:
-            log.warning("grammar check over its budget of %.1f s; restarting its process", timeout)
-            self._stop()
-            self._spawn()  # in the background: the next check finds it (nearly) ready
+            log.warning("grammar check over its budget of %.1f s; its process is replaced", timeout)
+            self._replace_active()  # by the warm standby: the next check does not wait for a start
             raise OverBudget from exc
         except (OSError, ValueError, KeyError) as exc:
-            log.warning("grammar check failed (%s); restarting its process on the next check", exc)
-            self._stop()
+            log.warning("grammar check failed (%s); its process is replaced", exc)
+            self._replace_active()
             raise _NoAnswer from exc
 
     def _started(self) -> subprocess.Popen[str]:
-        if self._process is None or self._process.poll() is not None:
+        if self._active is None or not self._active.alive():
             if self._unavailable:
                 raise _NoAnswer
-            self._stop()
-            self._spawn()
-        assert self._ready is not None and self._process is not None
+            self._replace_active()
+        active = self._active
+        assert active is not None
         # Waiting for a start is not counted in a submission's budget: it is the same for every constraint.
-        if not self._ready.wait(START_TIMEOUT_S) or not self._ready_ok:
+        if not active.ready.wait(START_TIMEOUT_S) or not active.ok or active.process is None:
             log.warning("the grammar check cannot run: constraints are checked by the workers only")
             self._stop()
             self._unavailable = True
             raise _NoAnswer
-        return self._process
+        if self._keep_standby and (self._standby is None or not self._standby.alive()):
+            self._standby = self._spawn()  # after the active one is ready: the two starts do not compete
+        return active.process
 
-    def _spawn(self) -> None:
+    def _replace_active(self) -> None:
+        """Kill the active child; the standby (if it is alive: it may still be starting) takes its place,
+        else a new child is started. Returns at once."""
+        if self._active is not None:
+            self._active.stop()
+        standby, self._standby = self._standby, None
+        if standby is not None and not standby.alive():
+            standby.stop()
+            standby = None
+        self._active = standby or self._spawn()
+
+    def _spawn(self) -> _Child:
         """Start a child and, on a thread, wait for its ready line; returns at once."""
-        ready = threading.Event()
-        self._ready, self._ready_ok = ready, False
+        self.spawned += 1
         try:
             process = subprocess.Popen(
                 self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -175,27 +255,27 @@ class GrammarChecker:
             )  # fmt: skip
         except OSError as exc:
             log.warning("the grammar check cannot start (%s)", exc)
-            ready.set()
-            return
-        self._process = process
+            child = _Child(None)
+            child.ready.set()
+            return child
+        child = _Child(process)
 
         def wait_ready() -> None:
             try:
                 line = process.stdout.readline()
-                ok = bool(line) and bool(json.loads(line).get("ready"))
+                child.ok = bool(line) and bool(json.loads(line).get("ready"))
             except (OSError, ValueError, AttributeError):
-                ok = False
-            if self._ready is ready:
-                self._ready_ok = ok
-            ready.set()
+                child.ok = False
+            child.ready.set()
 
         threading.Thread(target=wait_ready, daemon=True, name="grammar-check-start").start()
+        return child
 
     def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            self._process = None
+        for child in (self._active, self._standby):
+            if child is not None:
+                child.stop()
+        self._active = self._standby = None
 
 
 class SubmissionGrammar:
@@ -225,7 +305,7 @@ class SubmissionGrammar:
         return self._once(spec)
 
     def _once(self, spec: StructuredSpec) -> str | None:
-        key = (spec.kind, json.dumps(spec.value))
+        key = canonical_key(spec)
         if key not in self.asked:
             self.asked[key] = self._ask(spec)
         return self.asked[key]

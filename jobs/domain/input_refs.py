@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ from jobs.domain.grammar_check import GrammarRefusal
 from jobs.domain.input_uris import GLOB, S3Location, parse_allow_list, parse_s3_uri
 from jobs.domain.schemas import ResolvedParams
 from jobs.domain.sharding import cut_piece_shards
-from jobs.domain.validation import duplicate_ids_error, validate_parquet
+from jobs.domain.validation import ValidatedInput, duplicate_ids_error, validate_parquet
 from storage.arrow_path import parquet_file, read_schema
 from storage.input_set import InputFile, InputSet
 
@@ -162,8 +162,12 @@ class CheckedReference:
     """An input by reference that passed every check of a submission, and its shards."""
 
     inputs: InputSet
-    num_rows: int
+    validated: ValidatedInput  # every file's counts summed (no per-row lengths: prompt_chars is empty)
     pieces: list[list[dict]]  # per shard, its row-group ranges (sharding.cut_piece_shards)
+
+    @property
+    def num_rows(self) -> int:
+        return self.validated.num_rows
 
 
 def _in_file(exc: InputError, uri: str) -> InputError:
@@ -196,7 +200,7 @@ def check_reference(
     inputs = reference_input(uris, allow, filesystem)
     first: pa.Schema | None = None
     id_hashes: list[np.ndarray] = []
-    num_rows = 0
+    total: ValidatedInput | None = None
     for index, item in enumerate(inputs.files):
         where = inputs.arrow(index)
         try:
@@ -211,11 +215,22 @@ def check_reference(
             raise _in_file(exc, item.uri) from exc
         except (pa.ArrowException, OSError) as exc:
             raise _refuse(item.uri, f"cannot be read: {exc}", 400) from exc
-        num_rows += validated.num_rows
+        total = validated if total is None else _summed(total, validated)
     if id_hashes:
         try:
             _check_unique_ids(inputs, id_hashes)
         except InputError as exc:
             raise _in_file(exc, " ".join(uris)) from exc
+    assert total is not None  # reference_input refuses a URI that names no file
     pieces = cut_piece_shards([item.group_rows for item in inputs.files], shard_size)
-    return CheckedReference(inputs, num_rows, pieces)
+    return CheckedReference(inputs, total, pieces)
+
+
+def _summed(total: ValidatedInput, more: ValidatedInput) -> ValidatedInput:
+    """The counts of two files read one after the other (same columns: same prompt source)."""
+    return replace(
+        total,
+        num_rows=total.num_rows + more.num_rows,
+        null_or_empty_rows=total.null_or_empty_rows + more.null_or_empty_rows,
+        total_prompt_chars=total.total_prompt_chars + more.total_prompt_chars,
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,40 +124,56 @@ class ParsedBatch:
         return self.requests[0].model
 
     def job_params(self, metadata: dict[str, str] | None = None, *, chat_max_tokens: int) -> JobParams:
-        """The job's parameters: the batch's model and stop list; the rest per row (override columns),
-        defaulting as OpenAI does (temperature 1; max_tokens 16 for completions, up to the context for
-        chat, which is `chat_max_tokens`)."""
-        default_max = chat_max_tokens if self.endpoint == CHAT_ENDPOINT else COMPLETIONS_DEFAULT_MAX_TOKENS
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": default_max,
-            "temperature": OPENAI_DEFAULT_TEMPERATURE,
-            "stop": list(self.requests[0].stop),
-        }
-        if metadata:
-            payload["metadata"] = metadata
-        return job_params(payload)
+        return batch_job_params(self.endpoint, self.requests[0], metadata, chat_max_tokens=chat_max_tokens)
 
     def to_parquet(self) -> bytes:
         """The job's input file: one row per good line, in line order (row i = requests[i])."""
-        requests = self.requests
-        columns: dict[str, pa.Array] = {"custom_id": pa.array([r.custom_id for r in requests], pa.string())}
-        if self.endpoint == CHAT_ENDPOINT:
-            columns["messages"] = pa.array([r.messages for r in requests], MESSAGES_TYPE)
-        else:
-            columns["prompt"] = pa.array([r.prompt for r in requests], pa.string())
-        columns["max_tokens"] = pa.array([r.max_tokens for r in requests], pa.int64())
-        columns["temperature"] = pa.array([r.temperature for r in requests], pa.float64())
-        columns["top_p"] = pa.array([r.top_p for r in requests], pa.float64())
-        columns["seed"] = pa.array([r.seed for r in requests], pa.int64())
-        if any(r.structured is not None for r in requests):  # the native per-row structured columns
-            rows = [as_columns(r.structured) for r in requests]
-            for name in STRUCTURED_COLUMNS:
-                kind = pa.list_(pa.string()) if name == "choice" else pa.string()
-                columns[name] = pa.array([row[name] for row in rows], kind)
         sink = io.BytesIO()
-        pq.write_table(pa.table(columns), sink)
+        pq.write_table(rows_table(self.requests, self.endpoint), sink)
         return sink.getvalue()
+
+
+def batch_job_params(
+    endpoint: str, first: BatchRequest, metadata: dict[str, str] | None = None, *, chat_max_tokens: int
+) -> JobParams:
+    """The job's parameters: the batch's model and stop list (its first good line's); the rest per row
+    (override columns), defaulting as OpenAI does (temperature 1; max_tokens 16 for completions, up to the
+    context for chat, which is `chat_max_tokens`)."""
+    default_max = chat_max_tokens if endpoint == CHAT_ENDPOINT else COMPLETIONS_DEFAULT_MAX_TOKENS
+    payload: dict[str, Any] = {
+        "model": first.model,
+        "max_tokens": default_max,
+        "temperature": OPENAI_DEFAULT_TEMPERATURE,
+        "stop": list(first.stop),
+    }
+    if metadata:
+        payload["metadata"] = metadata
+    return job_params(payload)
+
+
+def rows_table(requests: list[BatchRequest], endpoint: str, *, structured: bool | None = None) -> pa.Table:
+    """The job's rows of `requests`, in order. The structured columns are there when a request has a
+    response_format, or when `structured` says so (a file written in parts keeps one schema)."""
+    columns: dict[str, pa.Array] = {"custom_id": pa.array([r.custom_id for r in requests], pa.string())}
+    if endpoint == CHAT_ENDPOINT:
+        columns["messages"] = pa.array([r.messages for r in requests], MESSAGES_TYPE)
+    else:
+        columns["prompt"] = pa.array([r.prompt for r in requests], pa.string())
+    columns["max_tokens"] = pa.array([r.max_tokens for r in requests], pa.int64())
+    columns["temperature"] = pa.array([r.temperature for r in requests], pa.float64())
+    columns["top_p"] = pa.array([r.top_p for r in requests], pa.float64())
+    columns["seed"] = pa.array([r.seed for r in requests], pa.int64())
+    if structured is None:
+        structured = any(r.structured is not None for r in requests)
+    if structured:  # the native per-row structured columns
+        rows = [as_columns(r.structured) for r in requests]
+        for name in STRUCTURED_COLUMNS:
+            columns[name] = pa.array([row[name] for row in rows], structured_type(name))
+    return pa.table(columns)
+
+
+def structured_type(name: str) -> pa.DataType:
+    return pa.list_(pa.string()) if name == "choice" else pa.string()
 
 
 def parse_batch_file(
@@ -167,55 +183,125 @@ def parse_batch_file(
     grammar_refusal: GrammarRefusal | None = None,
     limits: JsonLimits = DEFAULT_LINE_LIMITS,
 ) -> ParsedBatch:
-    """Every line of `data` either as a request or as a LineError. `check` runs the service's checks
-    of a line's parameters (known model, max_tokens within the context) and raises InputError;
+    """Every line of `data` either as a request or as a LineError (BatchReader, all at once: a stored
+    input file is read line by line instead, jobs/domain/openai_rows.py)."""
+    reader = BatchReader(endpoint, check, grammar_refusal, limits)
+    requests = list(reader.requests(_lines(data)))
+    return ParsedBatch(endpoint=endpoint, lines=reader.lines, requests=requests, errors=reader.errors)
+
+
+class BatchReader:
+    """The lines of an input file as requests, one line at a time, so a file is never held whole: each
+    line is a request or a LineError (in `errors`, in line order). `check` runs the service's checks of
+    a line's parameters (known model, max_tokens within the context) and raises InputError;
     `grammar_refusal` asks the grammar engine about a line's response_format (grammar_check.py);
     `limits` bound the parsing of each line (json_limits.py). File-level problems (nothing to read, too
-    many lines) raise InputError."""
-    if endpoint not in ENDPOINTS:
-        raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
-    parsed = ParsedBatch(endpoint=endpoint, lines=0)
-    seen: dict[str, int] = {}
-    for number, raw in _lines(data):
-        parsed.lines += 1
-        if parsed.lines > MAX_LINES:
-            raise InputError(f"the file has more than {MAX_LINES} requests", field="input_file_id")
-        try:
-            request = _parse_line(number, raw, endpoint, check, limits)
-            if request.structured is not None and grammar_refusal is not None:
-                refused = grammar_refusal(request.structured)
-                if refused is not None:
-                    _fail(
-                        number, request.custom_id, f"body.response_format: {refused}", "body.response_format"
-                    )
-        except _LineProblem as problem:
-            parsed.errors.append(problem.error)
-            continue
-        if request.custom_id in seen:
-            parsed.errors.append(
-                LineError(
-                    number,
-                    request.custom_id,
-                    f"line {number}: custom_id {clip_repr(request.custom_id)} is repeated (first on line "
-                    f"{seen[request.custom_id]}); each request needs its own",
-                    "custom_id",
-                    "duplicate_custom_id",
-                )
+    many lines) raise InputError. A batch is one job: one model and one stop list, set by the first good
+    line; a later line that names another is that line's error. What it keeps grows with the lines'
+    count only (custom_ids, LineErrors), which MAX_LINES bounds."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        check: Callable[[JobParams], object] | None = None,
+        grammar_refusal: GrammarRefusal | None = None,
+        limits: JsonLimits = DEFAULT_LINE_LIMITS,
+    ) -> None:
+        if endpoint not in ENDPOINTS:
+            raise InputError(f"endpoint must be one of {list(ENDPOINTS)}", field="endpoint")
+        self.endpoint = endpoint
+        self.check = check
+        self.grammar_refusal = grammar_refusal
+        self.limits = limits
+        self.lines = 0  # non-blank lines read
+        self.errors: list[LineError] = []
+        self.first: BatchRequest | None = None  # sets the batch's model and stop list
+        self._seen: dict[str, int] = {}  # custom_id: its line
+
+    def requests(self, lines: Iterable[tuple[int, bytes | None]]) -> Iterator[BatchRequest]:
+        """The good requests of (line number, raw line) pairs; a raw line of None was longer than the
+        limits' max_bytes (a line reader cut it rather than hold it)."""
+        for number, raw in lines:
+            self.lines += 1
+            if self.lines > MAX_LINES:
+                raise InputError(f"the file has more than {MAX_LINES} requests", field="input_file_id")
+            try:
+                request = self._request(number, raw)
+            except _LineProblem as problem:
+                self.errors.append(problem.error)
+                continue
+            yield request
+        if self.lines == 0:
+            raise InputError("the input file has no requests", field="input_file_id")
+
+    def _request(self, number: int, raw: bytes | None) -> BatchRequest:
+        if raw is None:
+            max_bytes = self.limits.max_bytes
+            _fail(number, None, f"the line is over {max_bytes} bytes; the limit is {max_bytes} (max_bytes)",
+                  code="json_limit")  # fmt: skip
+        request = _parse_line(number, raw, self.endpoint, self.check, self.limits)
+        if request.structured is not None and self.grammar_refusal is not None:
+            refused = self.grammar_refusal(request.structured)
+            if refused is not None:
+                _fail(number, request.custom_id, f"body.response_format: {refused}", "body.response_format")
+        if request.custom_id in self._seen:
+            _fail(
+                number,
+                request.custom_id,
+                f"custom_id {clip_repr(request.custom_id)} is repeated (first on line "
+                f"{self._seen[request.custom_id]}); each request needs its own",
+                "custom_id",
+                "duplicate_custom_id",
             )
-            continue
-        seen[request.custom_id] = number
-        parsed.requests.append(request)
-    if parsed.lines == 0:
-        raise InputError("the input file has no requests", field="input_file_id")
-    _one_model_and_stop(parsed)
-    parsed.errors.sort(key=lambda error: error.line)
-    return parsed
+        self._seen[request.custom_id] = number
+        first = self.first
+        if first is None:
+            self.first = request
+        elif request.model != first.model:
+            message = (
+                f"model {clip_repr(request.model)} differs from the batch's {clip_repr(first.model)} "
+                f"(line {first.line}); a batch runs one model"
+            )
+            _fail(number, request.custom_id, message, "body.model")
+        elif request.stop != first.stop:
+            _fail(number, request.custom_id, f"stop differs from the batch's (line {first.line}); a batch runs "
+                  "one stop list", "body.stop")  # fmt: skip
+        return request
 
 
 def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if raw.strip():
             yield number, raw
+
+
+def read_lines(
+    read: Callable[[int], bytes], max_line_bytes: int, chunk_bytes: int = 1 << 20
+) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of the non-blank lines of a byte stream, reading `chunk_bytes` at a time: at
+    most one chunk and one line are held. A line longer than `max_line_bytes` is not kept: it comes as
+    None (its line's error), and the reader skips to the next newline."""
+    number, pending, overlong = 1, bytearray(), False
+    while chunk := read(chunk_bytes):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if overlong:
+                yield number, None
+            else:
+                pending += chunk[start:end]
+                if len(pending) > max_line_bytes:
+                    yield number, None
+                elif pending.strip():
+                    yield number, bytes(pending)
+            number, pending, overlong, start = number + 1, bytearray(), False, end + 1
+        if not overlong:
+            pending += chunk[start:]
+            if len(pending) > max_line_bytes:
+                overlong, pending = True, bytearray()
+    if overlong:
+        yield number, None
+    elif pending.strip():
+        yield number, bytes(pending)
 
 
 class _LineProblem(Exception):
@@ -388,32 +474,6 @@ def _response_format(number: int, custom_id: str, value: Any) -> StructuredSpec 
         return from_response_format(value)
     except ValueError as exc:
         _fail(number, custom_id, str(exc), "body.response_format")
-
-
-def _one_model_and_stop(parsed: ParsedBatch) -> None:
-    """A batch is one job: one model and one stop list. The first good line sets them; a later line
-    that names another is that line's error."""
-    if not parsed.requests:
-        return
-    first = parsed.requests[0]
-    kept = [first]
-    for request in parsed.requests[1:]:
-        if request.model != first.model:
-            message = (
-                f"model {clip_repr(request.model)} differs from the batch's {clip_repr(first.model)} "
-                f"(line {first.line}); a batch runs one model"
-            )
-            parsed.errors.append(
-                LineError(request.line, request.custom_id, f"line {request.line}: {message}", "body.model")
-            )
-        elif request.stop != first.stop:
-            message = f"stop differs from the batch's (line {first.line}); a batch runs one stop list"
-            parsed.errors.append(
-                LineError(request.line, request.custom_id, f"line {request.line}: {message}", "body.stop")
-            )
-        else:
-            kept.append(request)
-    parsed.requests = kept
 
 
 # ---- output and error files ------------------------------------------------------------------

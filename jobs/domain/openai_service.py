@@ -17,7 +17,6 @@ it shows `expired` once the job is final, its unrun rows in the error file as `b
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from datetime import datetime
 from typing import BinaryIO
@@ -27,13 +26,7 @@ from sqlalchemy.orm import Session
 from jobs.domain.batch_files import BatchFiles, shown_status
 from jobs.domain.deadline import window_length
 from jobs.domain.errors import Conflict, InputError, NotFound, clip_repr
-from jobs.domain.openai_batch import (
-    ENDPOINTS,
-    MAX_NAMED_LINE_ERRORS,
-    LineError,
-    ParsedBatch,
-    parse_batch_file,
-)
+from jobs.domain.openai_batch import ENDPOINTS, MAX_NAMED_LINE_ERRORS, LineError, batch_job_params
 from jobs.domain.openai_objects import (
     Batch,
     BatchError,
@@ -47,6 +40,7 @@ from jobs.domain.openai_objects import (
     InputTokensDetails,
     OutputTokensDetails,
 )
+from jobs.domain.openai_rows import read_batch_rows
 from jobs.domain.schemas import job_params
 from jobs.domain.service import JobService
 from jobs.domain.text_rule import repaired, text_problem
@@ -185,9 +179,7 @@ class BatchService:
                     f"file {input_file_id} has purpose {source.purpose!r}; a batch reads a {INPUT_PURPOSE!r} file",
                     field="input_file_id",
                 )
-            # Read whole, as before this store could be S3: the JSONL conversion takes bytes (openai_batch.py).
-            with self.blobs.open_input(source.blob_name) as stream:
-                data = stream.read()
+            blob_name = source.blob_name
         created_at = utcnow()
         batch_id = openai_store.new_batch_id()
 
@@ -208,7 +200,7 @@ class BatchService:
                 commit=False,
             )
 
-        failed = self._submit(tenant, data, endpoint, completion_window, store)
+        failed = self._submit(tenant, blob_name, endpoint, completion_window, store)
         if failed is not None:  # no job: the failed batch's row alone, final at once, with its error file
             with self.sessions() as session:
                 store(session, None, *failed)
@@ -217,39 +209,44 @@ class BatchService:
         return self.get(tenant, batch_id)
 
     def _submit(
-        self, tenant: str, data: bytes, endpoint: str, completion_window: str, store: StoreBatch
+        self, tenant: str, blob_name: str, endpoint: str, completion_window: str, store: StoreBatch
     ) -> tuple[list[LineError], Errors] | None:
         """Make the good lines one job, stored with its batch row (`store`) in one transaction: None.
-        When no job is made: (refused lines, errors of the failed batch), nothing stored."""
+        When no job is made: (refused lines, errors of the failed batch), nothing stored. The input file
+        is read from the store a chunk at a time and its rows written to a local temporary Parquet file
+        (openai_rows.py): neither the file nor its requests are held whole."""
         grammar = self.jobs.grammar_session()  # one budget for the lines and the rows they become
         try:
-            parsed: ParsedBatch = parse_batch_file(
-                data, endpoint, self.jobs.resolver(), grammar, self.settings.json_limits
-            )
+            with self.blobs.open_input(blob_name) as stream:
+                rows = read_batch_rows(
+                    stream.read, endpoint, self.jobs.resolver(), grammar, self.settings.json_limits
+                )
         except InputError as exc:
             return [], [BatchError(code="invalid_file", message=exc.message, param=exc.field)]
-        if not parsed.requests:
-            named = [
-                BatchError(code=error.code, message=error.message, param=error.param, line=error.line)
-                for error in parsed.errors[:MAX_NAMED_LINE_ERRORS]
-            ]
-            return parsed.errors, named
-        # chat outputs are bounded by the context alone: this model's (the registry's, or the default)
-        params = parsed.job_params(chat_max_tokens=self.jobs.served(parsed.model).context_len - 1)
-        # the batch's window is its job's deadline: shards are scheduled by it (docs/scheduling.md)
-        params = params.model_copy(update={"completion_window": completion_window})
-        try:
-            self.jobs.submit(
-                tenant,
-                io.BytesIO(parsed.to_parquet()),
-                params,
-                grammar,
-                with_job=lambda session, job_id: store(session, job_id, parsed.errors, None),
-            )
-        except InputError as exc:
-            row = exc.row
-            line = parsed.requests[row].line if row is not None and 0 <= row < len(parsed.requests) else None
-            return parsed.errors, [BatchError(code="invalid_file", message=exc.message, line=line)]
+        with rows:
+            if rows.first is None:
+                named = [
+                    BatchError(code=error.code, message=error.message, param=error.param, line=error.line)
+                    for error in rows.errors[:MAX_NAMED_LINE_ERRORS]
+                ]
+                return rows.errors, named
+            # chat outputs are bounded by the context alone: this model's (the registry's, or the default)
+            context_len = self.jobs.served(rows.first.model).context_len
+            params = batch_job_params(endpoint, rows.first, chat_max_tokens=context_len - 1)
+            # the batch's window is its job's deadline: shards are scheduled by it (docs/scheduling.md)
+            params = params.model_copy(update={"completion_window": completion_window})
+            try:
+                self.jobs.submit(
+                    tenant,
+                    rows.file,
+                    params,
+                    grammar,
+                    with_job=lambda session, job_id: store(session, job_id, rows.errors, None),
+                )
+            except InputError as exc:
+                row = exc.row
+                line = rows.row_lines[row] if row is not None and 0 <= row < rows.rows else None
+                return rows.errors, [BatchError(code="invalid_file", message=exc.message, line=line)]
         return None
 
     def _batch(self, session: Session, tenant: str, batch_id: str) -> OpenAIBatch:

@@ -17,6 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs.domain.deadline import job_deadline, missed_by
 from jobs.domain.errors import InputError
 from jobs.domain.grammar_check import GrammarRefusal, SubmissionGrammar
+from jobs.domain.input_refs import CheckedReference
+from jobs.domain.prompt_tokens import TokenCounter, exact_prompt_tokens
 from jobs.domain.schemas import JobParams, ResolvedParams
 from jobs.domain.served_models import ServedModel
 from jobs.domain.settings import Settings
@@ -35,6 +37,7 @@ class SubmissionChecks(Protocol):
 
     settings: Settings
     sessions: sessionmaker[Session]
+    grammar: TokenCounter | None  # the grammar check's child counts the exact prompt tokens
 
     def grammar_session(self) -> SubmissionGrammar: ...
 
@@ -46,9 +49,14 @@ class SubmissionChecks(Protocol):
         self, where: ArrowPath, resolved: ResolvedParams, served: ServedModel, grammar: GrammarRefusal | None
     ) -> tuple[ValidatedInput, list[list[int]]]: ...
 
-# The API has no tokenizer (it never loads torch or the model's files: tests/test_architecture.py), so
-# prompt tokens are estimated from characters at the usual ~4 characters per BPE token of English text;
-# the quote says so (prompt_tokens_exact: false).
+    def check_reference(
+        self, uris: list[str], resolved: ResolvedParams, served: ServedModel, grammar: GrammarRefusal | None
+    ) -> CheckedReference: ...
+
+# The API has no tokenizer (it never loads torch: tests/test_architecture.py); its grammar check's child
+# counts exact prompt tokens (jobs/domain/prompt_tokens.py). Where it cannot, prompt tokens are estimated
+# from characters at the usual ~4 characters per BPE token of English text; the quote says so
+# (prompt_tokens_exact: false).
 CHARS_PER_TOKEN = 4.0
 COPY_CHUNK_BYTES = 1 << 20
 
@@ -87,7 +95,9 @@ class JobQuote(BaseModel):
     prompt_chars: int
     prompt_tokens: int
     prompt_tokens_exact: bool = Field(
-        description="false: estimated from characters (the API has no tokenizer), template tokens not counted"
+        description="true: counted with the model's tokenizer as the worker tokenizes (template, chat "
+        "template, truncation); false: estimated from characters, template tokens not counted (the API's "
+        "grammar check cannot run, the model's files are not on the API's host, or a summarize job)"
     )
     max_tokens: int
     output_tokens_max: int = Field(
@@ -126,9 +136,37 @@ class QuoteService:
             local = Path(scratch) / "input.parquet"
             _copy_limited(upload, local, self.settings.max_upload_bytes)
             validated, shards = jobs.check_input(ArrowPath.local(local), resolved, served, grammar)
+            exact = exact_prompt_tokens(
+                jobs.grammar,
+                local,
+                validated,
+                resolved,
+                context_len=served.context_len,
+                models_dir=self.settings.models_dir,
+            )
         quoted = estimate(
-            self.settings, jobs.sessions, resolved, validated, len(shards), priority=params.priority
+            self.settings,
+            jobs.sessions,
+            resolved,
+            validated,
+            len(shards),
+            priority=params.priority,
+            prompt_tokens=exact,
         )
+        return with_deadline(quoted, due, now)
+
+    def quote_by_reference(self, uris: list[str], params: JobParams) -> JobQuote:
+        """The quote of a job whose input is named by s3:// URIs: the by-reference submission's checks
+        (the files read in place, nothing copied) and its row-group shards; prompt tokens estimated from
+        characters."""
+        jobs = self.jobs
+        now = utcnow()
+        due = job_deadline(completion_window=params.completion_window, deadline=params.deadline, now=now)
+        grammar = jobs.grammar_session()
+        resolved, served = jobs.checked_params(params, grammar)
+        checked = jobs.check_reference(uris, resolved, served, grammar)
+        shards = len(checked.pieces)
+        quoted = estimate(self.settings, jobs.sessions, resolved, checked.validated, shards, priority=params.priority)
         return with_deadline(quoted, due, now)
 
 
@@ -140,9 +178,11 @@ def estimate(
     shards: int,
     *,
     priority: str,
+    prompt_tokens: int | None = None,
 ) -> JobQuote:
     """The quote of a validated job: the model's profile, and the backlog of its priority class and
-    those above it (lower classes wait for it: docs/scheduling.md)."""
+    those above it (lower classes wait for it: docs/scheduling.md). `prompt_tokens`: counted exactly
+    (prompt_tokens.py), else estimated from characters."""
     since = utcnow() - timedelta(seconds=settings.shard_lease_seconds)
     with sessions() as session:
         rates = fit_rates(profiles_of(session, model=resolved.model))
@@ -153,7 +193,8 @@ def estimate(
         rows=validated.num_rows,
         rows_to_run=validated.num_rows - validated.null_or_empty_rows,
         shards=shards,
-        prompt_chars=int(validated.prompt_chars.sum()),
+        prompt_chars=validated.total_prompt_chars,
+        exact_prompt_tokens=prompt_tokens,
         max_tokens=resolved.max_tokens,
         rates=rates,
         backlog=backlog,
@@ -181,13 +222,15 @@ def price(
     prompt_chars: int,
     max_tokens: int,
     rates: Rates | None,
+    exact_prompt_tokens: int | None = None,
     backlog: int,
     seen_workers: int,
     assumed_workers: int,
     device_hour_usd: float,
 ) -> JobQuote:
     """The quote from the job's counts and the model's rates (pure: the tests check the arithmetic)."""
-    prompt_tokens = math.ceil(prompt_chars / CHARS_PER_TOKEN)
+    exact = exact_prompt_tokens is not None
+    prompt_tokens = exact_prompt_tokens if exact else math.ceil(prompt_chars / CHARS_PER_TOKEN)
     output_max = rows_to_run * max_tokens
     from_history = rates is not None and rates.output_fraction is not None
     output_expected = round(output_max * rates.output_fraction) if from_history else output_max
@@ -225,7 +268,7 @@ def price(
         shards=shards,
         prompt_chars=prompt_chars,
         prompt_tokens=prompt_tokens,
-        prompt_tokens_exact=False,
+        prompt_tokens_exact=exact,
         max_tokens=max_tokens,
         output_tokens_max=output_max,
         output_tokens_expected=output_expected,

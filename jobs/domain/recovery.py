@@ -9,9 +9,10 @@ Jobs stuck in `validating` (an API that died mid-upload) are deleted with their 
 staged uploads (storage/blobs.py staging_name) older than an hour. OpenAI batches past their window and
 jobs past their deadline are expired (cancelled, finished rows kept), and a final batch whose output and
 error files were not written (its worker died after the job's last move) gets them
-(jobs/domain/batch_files.py). A shard message is a ticket for any shard of its model
-(docs/scheduling.md), so a shard whose own message ran another may be re-sent: the spare message ends
-quietly."""
+(jobs/domain/batch_files.py). Result cache entries past FREIGHT_RESULT_CACHE_TTL_SECONDS are deleted.
+A shard message is a ticket for any shard of its model (docs/scheduling.md): a shard whose own message
+ran another is not re-sent while that other shard's ticket still waits in the queue (it will run one of
+the shards that lack their own)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from jobs.domain.broker import (
     TASK_FINALIZE_JOB,
     TASK_RUN_SHARD,
     CeleryDispatcher,
+    TaskLabels,
     WorkKey,
     message_work,
     queue_for_model,
@@ -35,10 +37,10 @@ from jobs.domain.broker import (
 from jobs.domain.openai_service import expire_if_due
 from jobs.domain.service import JobService
 from jobs.domain.settings import Settings
-from storage import job_store, openai_store
+from storage import job_store, openai_store, result_cache_store
 from storage.blobs import BlobStore
 from storage.models import Job, OpenAIBatch, utcnow
-from storage.shard_store import idle_shards
+from storage.shard_store import idle_shards, not_idle_shards
 from storage.status import JobStatus
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class SweepReport:
     batches_expired: list[str] = field(default_factory=list)  # OpenAI batches past their window
     jobs_expired: list[str] = field(default_factory=list)  # jobs past their deadline (docs/scheduling.md)
     batch_files_written: list[str] = field(default_factory=list)  # final batches whose files were missing
+    cache_entries_expired: int = 0  # result cache entries older than FREIGHT_RESULT_CACHE_TTL_SECONDS
 
 
 class Recovery:
@@ -90,6 +93,7 @@ class Recovery:
         report = SweepReport()
         now = utcnow()
         expected: dict[WorkKey, str] = {}  # work that needs a message -> its model
+        labels: dict[str, TaskLabels] = {}  # job id -> its schedule, for a re-sent message (Flower shows it)
         with self.sessions() as session:
             for job_id in self._abandoned_validations(session, now):
                 job_store.delete_job(session, job_id)
@@ -101,6 +105,8 @@ class Recovery:
             report.batches_expired = self._expire_batches(session, now)
             report.jobs_expired = job_store.expire_overdue(session, now=now)
             report.batch_files_written = self._write_batch_files(session, now)
+            cache_cutoff = now - timedelta(seconds=self.settings.result_cache_ttl_seconds)
+            report.cache_entries_expired = result_cache_store.delete_expired(session, before=cache_cutoff)
             for job in self._active_jobs(session, now):
                 if not self.blobs.exists(job.input_name):
                     continue  # another deployment's job (its files are elsewhere), or being deleted
@@ -108,16 +114,19 @@ class Recovery:
                 if job.status == JobStatus.FINALIZING or job_store.mark_finalizing(session, job.id):
                     expected[(TASK_FINALIZE_JOB, job.id, None)] = job.model
                     continue
+                labels[job.id] = TaskLabels.of(job.tenant, job.priority, job.deadline)
                 for index in idle_shards(session, job_id=job.id, now=now):
                     expected[(TASK_RUN_SHARD, job.id, index)] = job.model
         if not expected:
             self.suspects = set()
             return report
-        missing = set(expected) - self._work_in_broker({model for model in expected.values()})
+        present, queued = self._work_in_broker({model for model in expected.values()})
+        missing = set(expected) - present
+        missing -= self._run_by_spare_tickets(missing, expected, queued, now)
         for work in sorted(missing & self.suspects, key=str):
             task, job_id, index = work
             if task == TASK_RUN_SHARD:
-                self.dispatcher.dispatch(job_id, expected[work], [index])
+                self.dispatcher.dispatch(job_id, expected[work], [index], labels.get(job_id))
                 report.shards_resent.append((job_id, index))
             else:
                 self.dispatcher.dispatch_finalize(job_id, expected[work])
@@ -168,21 +177,53 @@ class Recovery:
         jobs = job_store.validating_jobs(session, created_before=now - ABANDONED_VALIDATION)
         return [job_id for job_id, name in jobs if self.blobs.exists(name)]  # this deployment's only
 
-    def _work_in_broker(self, models: Iterable[str]) -> set[WorkKey]:
+    def _work_in_broker(self, models: Iterable[str]) -> tuple[set[WorkKey], dict[str, list[WorkKey]]]:
+        """(the work of every message in the models' queues and among the unacknowledged ones, {model:
+        the shard tickets waiting in its queue})."""
         found: set[WorkKey] = set()
-        for raw in self._broker_messages(models):
+        queued: dict[str, list[WorkKey]] = {}
+        for model, raw in self._broker_messages(models):
             work = message_work(raw)
-            if work is not None:
-                found.add(work)
-        return found
+            if work is None:
+                continue
+            found.add(work)
+            if model is not None and work[0] == TASK_RUN_SHARD:
+                queued.setdefault(model, []).append(work)
+        return found, queued
 
-    def _broker_messages(self, models: Iterable[str]) -> Iterator[bytes]:
+    def _broker_messages(self, models: Iterable[str]) -> Iterator[tuple[str | None, bytes]]:
+        """(the model whose queue holds it, or None for an unacknowledged one; the raw message)."""
         for model in models:
             queue = queue_for_model(self.settings, model)
             for start in range(0, self.redis.llen(queue), 1000):
-                yield from self.redis.lrange(queue, start, start + 999)
+                for raw in self.redis.lrange(queue, start, start + 999):
+                    yield model, raw
         for _tag, raw in self.redis.hscan_iter(UNACKED_KEY, count=1000):
-            yield raw
+            yield None, raw
+
+    def _run_by_spare_tickets(
+        self,
+        missing: set[WorkKey],
+        expected: dict[WorkKey, str],
+        queued: dict[str, list[WorkKey]],
+        now,
+    ) -> set[WorkKey]:
+        """The shards without a message of their own that tickets already queued will run: a ticket claims
+        the best free shard of its model (docs/scheduling.md), so a queued ticket whose own shard needs
+        none (running under a live lease, or finished: its message ran another shard) runs one of them.
+        Each such ticket covers one; only the shards beyond them are re-sent."""
+        covered: set[WorkKey] = set()
+        with self.sessions() as session:
+            for model, tickets in queued.items():
+                lacking = sorted(
+                    (work for work in missing if work[0] == TASK_RUN_SHARD and expected[work] == model), key=str
+                )
+                if not lacking:
+                    continue
+                busy = not_idle_shards(session, [(job_id, index) for _task, job_id, index in tickets], now=now)
+                spare = sum(1 for _task, job_id, index in tickets if (job_id, index) in busy)
+                covered.update(lacking[:spare])
+        return covered
 
 
 def start_recovery(

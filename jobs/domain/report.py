@@ -41,6 +41,7 @@ class ReportData:
     prompt_tokens: np.ndarray  # [completed rows] in row order
     output_tokens: np.ndarray  # [completed rows]
     timeline: list[list[TimelinePoint]] = field(default_factory=list)  # one list per shard
+    quote: dict[str, Any] | None = None  # the job's quote at submission (jobs/domain/quote.py JobQuote)
 
 
 def collect(session: Session, job: Job, job_object: dict[str, Any], metrics: dict[str, Any]) -> ReportData:
@@ -56,6 +57,7 @@ def collect(session: Session, job: Job, job_object: dict[str, Any], metrics: dic
         prompt_tokens=lengths[:, 0],
         output_tokens=lengths[:, 1],
         timeline=_timeline(session, job),
+        quote=job.quote,
     )
 
 
@@ -136,6 +138,8 @@ COST_ROWS = (
     ("windows", "summary windows", ""),
     ("reduce_requests", "summary reduce requests", ""),
     ("cached_rows", "rows reused from the result cache", ""),
+    ("saved_prompt_tokens", "prompt tokens the reused rows saved", ""),
+    ("saved_output_tokens", "output tokens the reused rows saved", ""),
     ("saved_device_seconds", "device time the reused rows saved", "s"),
     ("wall_seconds", "wall time", "s"),
     ("queue_seconds", "time queued", "s"),
@@ -235,11 +239,50 @@ def render(data: ReportData) -> str:
 {error}
 </header>
 <section id="cost"><h2>Cost</h2>{_cost_table(data.metrics)}</section>
+{quote_section(data)}
 <section id="plots"><h2>What the engine did</h2><div class="plots">{"".join(_plots(data))}</div></section>
 <section id="params"><h2>Parameters</h2><pre>{params}</pre><h2>Metadata</h2><pre>{metadata}</pre></section>
 <section id="events"><h2>Status history</h2><table>{events}</table></section>
 </body></html>
 """
+
+
+def quote_section(data: ReportData) -> str:
+    """The job's quote at submission beside what the job took (empty for a job stored without one)."""
+    quote = data.quote
+    if not quote:
+        return ""
+    metrics, job = data.metrics, data.job
+    took = None
+    if job.get("finished_at") and job.get("created_at"):
+        took = (datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["created_at"])).total_seconds()
+    prompt_label = "prompt tokens" if quote.get("prompt_tokens_exact") else "prompt tokens (from characters)"
+    rows = [
+        ("prompt_tokens", prompt_label, quote.get("prompt_tokens"), metrics.get("prompt_tokens")),
+        ("output_tokens", "output tokens", quote.get("output_tokens_expected"), metrics.get("output_tokens")),
+        ("device_seconds", "device time (s)", quote.get("device_seconds"), metrics.get("device_seconds")),
+        ("cost_usd", "cost ($)", quote.get("cost_usd"), metrics.get("cost_usd")),
+        ("eta_seconds", "submission to done (s)", quote.get("eta_seconds"), took),
+    ]
+    body = "".join(
+        f'<tr><th scope="row">{escape(label)}</th><td data-key="quoted_{key}">{_number(quoted)}</td>'
+        f'<td data-key="actual_{key}">{_number(actual)}</td></tr>'
+        for key, label, quoted, actual in rows
+    )
+    why = quote.get("device_seconds_unknown_reason")
+    note = f'<p class="meta">Not priced at submission: {escape(why)}</p>' if why else ""
+    return (
+        '<section id="quote"><h2>Quote at submission</h2><table class="quote">'
+        f"<tr><th></th><th>quoted</th><th>actual</th></tr>{body}</table>{note}</section>"
+    )
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return escape(f"{value:,}")
 
 
 def _schedule(job: dict[str, Any]) -> str:

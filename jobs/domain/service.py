@@ -12,12 +12,13 @@ from typing import Any, BinaryIO, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.domain.broker import TaskLabels
 from jobs.domain.deadline import job_deadline
 from jobs.domain.errors import Conflict, InputError, NotFound
 from jobs.domain.grammar_check import GrammarChecker, GrammarRefusal, SubmissionGrammar
-from jobs.domain.input_refs import check_reference
+from jobs.domain.input_refs import CheckedReference, check_reference
 from jobs.domain.metrics import compute_metrics
-from jobs.domain.quote import estimate, with_deadline
+from jobs.domain.quote import JobQuote, estimate, with_deadline
 from jobs.domain.results import write_partial_results
 from jobs.domain.schemas import JobEventOut, JobList, JobObject, JobParams, RequestCounts, ResolvedParams
 from jobs.domain.served_models import ServedModel, served_model
@@ -40,7 +41,9 @@ LOCAL_TENANT = "local"  # the one tenant of the embedded database (`freight run`
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, job_id: str, model: str, shard_indices: list[int]) -> None: ...
+    def dispatch(
+        self, job_id: str, model: str, shard_indices: list[int], labels: TaskLabels | None = None
+    ) -> None: ...
 
     def withdraw(self, job_id: str, model: str) -> int: ...
 
@@ -180,15 +183,16 @@ class JobService:
             except UploadTooLarge as exc:
                 raise InputError(str(exc), status_code=413) from exc
             validated, shards = self.check_input(self.blobs.arrow(staged), resolved, served, grammar)
-            warning = self._deadline_warning(params, resolved, validated, len(shards), due)
+            quoted = self._submission_quote(params, resolved, validated, len(shards), due)
             self.blobs.rename(staged, name)
             self._store_job(
                 job_id, tenant, params, resolved, input_name=name, created_at=created_at,
-                num_rows=validated.num_rows, shards=shards, deadline=due, deadline_warning=warning,
+                num_rows=validated.num_rows, shards=shards, deadline=due,
+                deadline_warning=quoted.deadline_warning, quote=quoted.model_dump(mode="json"),
                 also=None if with_job is None else lambda session: with_job(session, job_id),
             )  # fmt: skip
             stored = True
-            self._dispatch(job_id, resolved.model, len(shards))
+            self._dispatch(job_id, resolved.model, len(shards), TaskLabels.of(tenant, params.priority, due))
         except BaseException:
             self._undo_submission(job_id, resolved.model, stored)
             raise
@@ -202,7 +206,33 @@ class JobService:
         created_at = utcnow()
         due = job_deadline(completion_window=params.completion_window, deadline=params.deadline, now=created_at)
         resolved, served = self._resolve(params, self.served, grammar)
-        checked = check_reference(
+        checked = self.check_reference(uris, resolved, served, grammar)
+        quoted = self._submission_quote(params, resolved, checked.validated, len(checked.pieces), due)
+        job_id = job_store.new_job_id()
+        stored = False
+        try:
+            self.blobs.write_text(manifest_name(job_id), checked.inputs.to_json())
+            self._store_job(
+                job_id, tenant, params, resolved, input_name=manifest_name(job_id), created_at=created_at,
+                num_rows=checked.num_rows, shards=[[] for _ in checked.pieces], deadline=due,
+                deadline_warning=quoted.deadline_warning, quote=quoted.model_dump(mode="json"),
+                pieces=checked.pieces,
+            )  # fmt: skip
+            stored = True
+            self._dispatch(
+                job_id, resolved.model, len(checked.pieces), TaskLabels.of(tenant, params.priority, due)
+            )
+        except BaseException:
+            self._undo_submission(job_id, resolved.model, stored)
+            raise
+        return self.get(tenant, job_id)
+
+    def check_reference(
+        self, uris: list[str], resolved: ResolvedParams, served: ServedModel, grammar: GrammarRefusal | None
+    ) -> CheckedReference:
+        """The submission's checks of an input by reference, read in place, and its row-group shards. A
+        quote runs the same ones (jobs/domain/quote.py)."""
+        return check_reference(
             uris,
             resolved,
             served.context_len,
@@ -211,21 +241,6 @@ class JobService:
             filesystem=s3_filesystem(self.settings.s3_endpoint_url),
             shard_size=self.settings.shard_size,
         )
-        job_id = job_store.new_job_id()
-        stored = False
-        try:
-            self.blobs.write_text(manifest_name(job_id), checked.inputs.to_json())
-            self._store_job(
-                job_id, tenant, params, resolved, input_name=manifest_name(job_id), created_at=created_at,
-                num_rows=checked.num_rows, shards=[[] for _ in checked.pieces], deadline=due,
-                pieces=checked.pieces,
-            )  # fmt: skip
-            stored = True
-            self._dispatch(job_id, resolved.model, len(checked.pieces))
-        except BaseException:
-            self._undo_submission(job_id, resolved.model, stored)
-            raise
-        return self.get(tenant, job_id)
 
     def _store_job(
         self,
@@ -260,29 +275,29 @@ class JobService:
                 **extra,
             )
 
-    def _deadline_warning(
+    def _submission_quote(
         self,
         params: JobParams,
         resolved: ResolvedParams,
         validated: ValidatedInput,
         shards: int,
         due: datetime | None,
-    ) -> str | None:
-        """Why the job's quote misses its deadline (None: it meets it, or has none); with
-        strict_deadline the job is refused instead (422, before anything is stored)."""
-        if due is None:
-            return None
+    ) -> JobQuote:
+        """The job's quote, kept with it (its report sets it beside what the job cost; prompt tokens
+        estimated from characters: the exact count is the quote endpoint's). With a deadline it says
+        whether the ETA meets it; with strict_deadline a job that misses it is refused instead (422,
+        before anything is stored)."""
         quote = estimate(self.settings, self.sessions, resolved, validated, shards, priority=params.priority)
         quoted = with_deadline(quote, due, utcnow())
         if quoted.deadline_warning is not None and params.strict_deadline:
             raise InputError(f"strict_deadline: {quoted.deadline_warning}", field="deadline")
-        return quoted.deadline_warning
+        return quoted
 
-    def _dispatch(self, job_id: str, model: str, num_shards: int) -> None:
+    def _dispatch(self, job_id: str, model: str, num_shards: int, labels: TaskLabels) -> None:
         if self.dispatcher is None:
             return
         try:
-            self.dispatcher.dispatch(job_id, model, list(range(num_shards)))
+            self.dispatcher.dispatch(job_id, model, list(range(num_shards)), labels)
         except Exception as exc:
             log.exception("could not enqueue job %s", job_id)
             raise BrokerUnavailable(str(exc)) from exc

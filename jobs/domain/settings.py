@@ -195,6 +195,13 @@ class Settings(EngineSettings):
         description="Fair share counts a tenant's running shards plus those it finished within this many "
         "seconds (so one worker alternates between tenants too).",
     )
+    result_cache_ttl_seconds: float = Field(
+        30 * 86400.0,
+        gt=0,
+        description="A result cache entry is reused for this long after it was stored (30 days); older ones "
+        "are never reused and are deleted, at lookup and by the API's recovery sweep "
+        "([Result cache](result-cache.md)).",
+    )
 
     @field_validator("storage_url")
     @classmethod

@@ -30,6 +30,7 @@ class ValidatedInput:
     source: PromptSource
     null_or_empty_rows: int  # these become error rows, not a failed job
     override_columns: tuple[str, ...]
+    total_prompt_chars: int  # prompt_chars summed, kept even when prompt_chars is not (quotes price it)
 
 
 def open_parquet(source: ParquetSource) -> pq.ParquetFile:
@@ -97,6 +98,7 @@ def validate_parquet(
     seen_ids: set[str] = set()
     duplicates: list[str] = []
     empty_rows = 0
+    total_chars = 0
     offset = 0
     try:
         for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns):
@@ -105,6 +107,7 @@ def validate_parquet(
                 check_arrow_text(batch.column(name), name, offset, allow_nul=allow_nul)
             chars = _prompt_chars(batch, source)
             empty_rows += int(np.count_nonzero(chars == 0))
+            total_chars += int(chars.sum())
             if keep_prompt_chars:
                 lengths.append(chars)
             for name in overrides:
@@ -125,6 +128,7 @@ def validate_parquet(
         source=source,
         null_or_empty_rows=empty_rows,
         override_columns=overrides,
+        total_prompt_chars=total_chars,
     )
 
 

@@ -162,3 +162,67 @@ def test_a_job_past_its_deadline_expires_on_a_sweep_keeping_its_finished_rows(re
         assert (job.status, job.cancel_requested) == (JobStatus.CANCELLING, True) and job.expired_at is not None
         assert stored_row_indices(session, job_id, [0, 1]) == {0}
     assert recovery.sweep().jobs_expired == []  # once
+
+
+def test_the_sweep_deletes_expired_result_cache_entries(recovery: Recovery) -> None:
+    from sqlalchemy import select
+
+    from storage.models import ResultCacheEntry
+    from storage.result_cache_store import CachedOutput, remember_outputs
+
+    tenant = f"recovery-{job_store.new_job_id()}"
+    expired = utcnow() - timedelta(seconds=recovery.settings.result_cache_ttl_seconds + 60)
+    with recovery.sessions() as session:
+        outputs = [CachedOutput(key, "text", 1, 1, "stop", 0.1) for key in ("old", "new")]
+        remember_outputs(session, tenant=tenant, job_id="j", outputs=outputs)
+        session.execute(
+            update(ResultCacheEntry)
+            .where(ResultCacheEntry.tenant == tenant, ResultCacheEntry.key == "old")
+            .values(created_at=expired)
+        )
+        session.commit()
+    assert recovery.sweep().cache_entries_expired >= 1
+    with recovery.sessions() as session:
+        kept = set(session.scalars(select(ResultCacheEntry.key).where(ResultCacheEntry.tenant == tenant)))
+    assert kept == {"new"}
+
+
+def test_a_shard_whose_ticket_ran_another_is_left_to_that_ones_ticket(recovery: Recovery) -> None:
+    """Shard 0's message ran shard 1 (a ticket claims the best free shard: docs/scheduling.md), so shard 0
+    has no message of its own, but shard 1's still waits in the queue and will run it: nothing is re-sent.
+    Once that ticket is gone too, shard 0 is re-sent after two sweeps as any lost shard."""
+    job_id = old_job(recovery, shards=3)
+    recovery.dispatcher.dispatch(job_id, MODEL, [1, 2])  # shard 0's message was taken ...
+    with recovery.sessions() as session:
+        claim_shard(session, job_id, 1, "live-worker", lease_seconds=300)  # ... and runs shard 1
+    for _ in range(3):
+        assert recovery.sweep().shards_resent == []
+    assert queued_work(recovery, job_id) == [(TASK_RUN_SHARD, job_id, 1), (TASK_RUN_SHARD, job_id, 2)]
+    # Shard 1's ticket ran shard 2 (finished), shard 2's was lost: shard 0 lacks a ticket for good.
+    recovery.redis.delete(queue_for_model(recovery.settings, MODEL))
+    with recovery.sessions() as session:
+        claim_shard(session, job_id, 2, "live-worker", lease_seconds=300)
+        finish_shard(session, job_id, 2, "live-worker", ShardStatus.DONE, None)
+    assert recovery.sweep().shards_resent == []  # missing once: a suspect
+    assert recovery.sweep().shards_resent == [(job_id, 0)]
+
+
+def test_a_resent_shard_message_carries_its_jobs_schedule(recovery: Recovery) -> None:
+    """Flower's task page shows a task's arguments: a shard message names its job (first argument) and
+    carries the job's tenant, priority class and deadline as keyword arguments (broker.TaskLabels), when
+    the sweep re-sends it as when the submission sent it."""
+    import base64
+    import json
+
+    job_id = old_job(recovery, shards=1)
+    due = utcnow() + timedelta(hours=3)
+    with recovery.sessions() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(priority="high", deadline=due))
+        session.commit()
+    recovery.sweep()
+    assert recovery.sweep().shards_resent == [(job_id, 0)]
+    (raw,) = recovery.redis.lrange(queue_for_model(recovery.settings, MODEL), 0, -1)
+    args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+    assert args == [job_id, 0]
+    assert kwargs == {"tenant": "recovery", "priority": "high", "deadline": due.isoformat(timespec="seconds")}
+    assert message_work(raw) == (TASK_RUN_SHARD, job_id, 0)

@@ -87,7 +87,7 @@ def test_refusals_say_what_is_wrong():
 @pytest.mark.parametrize("env", [{"FREIGHT_CPU_AMX": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}])
 def test_turning_amx_off_takes_the_backend_out_of_the_measurement(env):
     # the tier without AMX, as a machine without it runs: no tile GEMM, and the scheme measurement never offers it
-    code = ("import torch; from kernels import cpu_int8_gemm_amx; from worker.engine.path_plan import candidate_schemes; "
+    code = ("import torch; from kernels import cpu_int8_gemm_amx; from worker.engine.plan.schemes import candidate_schemes; "
             "print(cpu_int8_gemm_amx.available(), sorted(s.name for s in candidate_schemes(torch.device('cpu'))))")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip

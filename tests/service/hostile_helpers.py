@@ -1,12 +1,16 @@
 """Shared by the issue-28 service tests: what a refused request must not leave behind (rows in any table,
 files under the data folder, messages in the model's queue), raw HTTP on a socket, and request bodies
-written by hand."""
+written by hand; `served`, the app on uvicorn in a thread of the test's process."""
 
 from __future__ import annotations
 
 import io
 import json
 import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -14,12 +18,15 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
+import uvicorn
 from sqlalchemy import func, select
 
+from jobs.api.app import create_app
 from jobs.domain.broker import TASK_RUN_SHARD, message_work, queue_for_model
+from jobs.domain.settings import Settings
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, JobEvent, OpenAIBatch, OpenAIFile, Shard
-from tests.service.fixtures import PARKED_MODEL, ServiceEnv
+from tests.service.fixtures import PARKED_MODEL, ServiceEnv, free_port
 
 BOUNDARY = "freight-issue28-boundary"
 
@@ -158,3 +165,22 @@ def error_of(body: bytes) -> dict:
     error = payload["error"]
     assert {"message", "type", "param", "code"} <= set(error) and error["message"], error
     return error
+
+
+@contextmanager
+def served(settings: Settings, protocol: type) -> Iterator[str]:
+    """The real app on `settings`, served by uvicorn with `protocol` on a thread of this process."""
+    port = free_port()
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, http=protocol, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"api-{protocol.__name__}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process API did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -14,26 +14,21 @@ protocol, one with a short grammar budget.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from jobs.api.app import create_app
 from jobs.api.multipart import MAX_FIELD_BYTES, MAX_PART_HEADER_BYTES
 from jobs.api.server import FreightH11Protocol, http_protocol
-from jobs.domain.settings import Settings
 from storage.models import Job, OpenAIBatch
-from tests.service.fixtures import PARKED_MODEL, ServiceEnv, create_api_key, free_port
+from tests.service.fixtures import PARKED_MODEL, ServiceEnv, create_api_key
 from tests.service.hostile_helpers import (
     BOUNDARY,
     MULTIPART,
@@ -43,6 +38,7 @@ from tests.service.hostile_helpers import (
     multipart,
     parquet_bytes,
     part,
+    served,
 )
 
 TENANT = "hostile-3"
@@ -67,25 +63,6 @@ def leftovers(service_env: ServiceEnv) -> Iterator[Leftovers]:
     view = Leftovers(service_env, TENANT)
     yield view
     view.close()
-
-
-@contextmanager
-def served(settings: Settings, protocol: type) -> Iterator[str]:
-    """The real app on `settings`, served by uvicorn with `protocol` on a thread of this process."""
-    port = free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, http=protocol, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"api-{protocol.__name__}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process API did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def submit(http: httpx.Client, params: dict, content: bytes = GOOD) -> httpx.Response:

@@ -6,6 +6,7 @@ stored. The job files themselves live in the same S3 server (FREIGHT_STORAGE_URL
 from __future__ import annotations
 
 import io
+import json
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -16,11 +17,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from jobs.cli.client import FreightAPIError, FreightClient
 from storage.db import make_engine, make_session_factory
-from storage.models import Job, Shard
+from storage.models import Job, Shard, ThroughputProfile
+from storage.profile_store import ShardWork, record_shard
 from tests.s3_server import S3Server
 from tests.service.fixtures import (
     FREIGHT_BIN,
@@ -188,3 +190,59 @@ def test_refused_inputs_store_nothing(ref_service: RefService, tmp_path: Path) -
     assert cli.returncode != 0 and "FREIGHT_INPUT_ALLOW" in cli.stderr, cli.stderr
     assert _jobs_stored(service.env) == before
     assert _job_folders(service) == folders_before
+
+
+PROFILE_CLASS = "by-reference-deadline-test"
+
+
+def test_by_reference_jobs_are_quoted_and_warned_of_their_deadline(ref_service: RefService) -> None:
+    """A job by reference gets the quote's deadline check as an upload does (a warning, or a 422 with
+    strict_deadline), and POST /v1/jobs/quote takes the same JSON body: the files checked in place, the
+    counts summed over them, the shards the submission makes."""
+    service, server = ref_service, ref_service.server
+    folder = f"{service.allowed}/late-{secrets.token_hex(3)}"
+    prompts = [f"Write {i} lines about the sea." for i in range(40)]
+    _put_parquet(server, f"{folder}/a.parquet", pa.table({"prompt": prompts[:25]}))
+    _put_parquet(server, f"{folder}/b.parquet", pa.table({"prompt": prompts[25:]}))
+    uri = f"s3://{folder}/*.parquet"
+    late = dict(model=PARKED_MODEL, max_tokens=200, completion_window="1m")
+    engine = make_engine(service.env.settings.resolved_database_url)
+    sessions = make_session_factory(engine)
+    # Nobody serves the parked model: a measured 0.1 s per output token prices 40 x 200 tokens far past
+    # the one-minute window (tests/service/test_scheduling.py does the same for uploads).
+    with sessions() as session:
+        record_shard(session, model=PARKED_MODEL, worker_class=PROFILE_CLASS, work=ShardWork(4, 40, 800, 80.0, 800))
+    try:
+        quote = service.client.quote_by_reference(uri, **late)
+        assert quote["rows"] == 40 and quote["rows_to_run"] == 40
+        assert quote["prompt_chars"] == sum(len(text) for text in prompts)  # summed over both files
+        assert quote["deadline_met"] is False and "after its deadline" in quote["deadline_warning"]
+        before = _jobs_stored(service.env)
+        with pytest.raises(FreightAPIError) as refused:
+            service.client.submit_by_reference(uri, strict_deadline=True, **late)
+        assert refused.value.status_code == 422 and "strict_deadline" in refused.value.message
+        assert _jobs_stored(service.env) == before  # nothing stored
+        job = service.client.submit_by_reference(uri, **late)
+        assert "after its deadline" in job["deadline_warning"]
+        stored = dict(_jobs_stored(service.env))
+        assert stored[job["id"]] == quote["shards"] == 10  # 40 rows in shards of 4
+        service.client.cancel(job["id"])  # parked: nobody would run it
+        # The quote refuses what the submission refuses, with the same answer.
+        outside = f"s3://{server.bucket}/outside-{secrets.token_hex(3)}/x.parquet"
+        for call in (service.client.quote_by_reference, service.client.submit_by_reference):
+            with pytest.raises(FreightAPIError) as denied:
+                call(outside, max_tokens=1)
+            assert denied.value.status_code == 403 and "FREIGHT_INPUT_ALLOW" in denied.value.message
+    finally:
+        with sessions() as session:
+            session.execute(delete(ThroughputProfile).where(ThroughputProfile.worker_class == PROFILE_CLASS))
+            session.commit()
+        engine.dispose()
+    # The CLI quotes URIs as it submits them.
+    cli = subprocess.run(
+        [FREIGHT_BIN, "quote", uri, "--model", PARKED_MODEL, "--max-tokens", "1"],
+        env=service.env.subprocess_env(FREIGHT_API_URL=service.api_url, FREIGHT_API_KEY=service.api_key),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["rows"] == 40 and "40 rows" in cli.stderr

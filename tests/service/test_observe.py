@@ -189,6 +189,9 @@ def test_the_job_report_is_one_page_with_plots(
     metrics = client.metrics(job_id)
     assert f'data-key="output_tokens">{metrics["output_tokens"]:,}<' in html
     assert f'data-key="shards">{metrics["shards"]}<' in html
+    # The quote at submission beside what the job took (jobs/domain/report.py quote_section).
+    assert f'data-key="actual_output_tokens">{metrics["output_tokens"]:,}<' in html
+    assert 'data-key="quoted_output_tokens">' in html and 'data-key="quoted_eta_seconds">' in html
     # The time series came from the worker: several samples over this multi-second job.
     assert html.count("<polyline") >= 3 * (ROWS // 4)  # one line per shard in each of three charts
     check_report_in_chromium(out.as_uri(), job_id, "job-report.png")

@@ -248,3 +248,24 @@ def test_freight_quote_prints_the_quote(
     assert (
         freight_main(["quote", str(source), "--api-url", api_url, "--api-key", key, "--max-tokens", "0"]) != 0
     )
+
+
+def test_a_quote_counts_prompt_tokens_with_the_models_tokenizer(
+    quoter: FreightClient, service_env: ServiceEnv, tiny_llama_dir: Path
+) -> None:
+    """The default model's files are on the API's host: the API's grammar-check child counts the prompt
+    tokens as the worker will (worker/engine/prompt_ids.py: here the chat template); the parked model's
+    are not (the quote above estimates from characters)."""
+    from transformers import AutoTokenizer
+
+    from worker.engine.prompt_ids import prompt_token_ids
+
+    texts = ["one two three", "Summarize: the cat sat on the mat.", "ünïcödé ✓"]
+    quote = quoter.quote(pa.table({"prompt": texts}), max_tokens=7, chat=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    messages = [[{"role": "user", "content": text}] for text in texts]
+    context = service_env.settings.max_model_len
+    expected = prompt_token_ids(tokenizer, messages, max_model_len=context, budgets=[None] * len(texts))
+    assert quote["prompt_tokens_exact"] is True
+    assert quote["prompt_tokens"] == sum(map(len, expected))
+    assert quote["prompt_tokens"] != -(-quote["prompt_chars"] // 4)  # not the estimate

@@ -15,16 +15,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import delete, select, update
 
 from jobs.cli.client import FreightAPIError, FreightClient
 from jobs.cli.main import main as freight_main
+from jobs.domain.broker import CeleryDispatcher
 from storage import job_store
 from storage.db import make_engine, make_session_factory
-from storage.models import ThroughputProfile
+from storage.models import Job, ShardAttempt, ThroughputProfile
 from storage.profile_store import ShardWork, record_shard
 from storage.shard_store import shards_of
 from tests.service.fixtures import PARKED_MODEL, Process, ServiceEnv, create_api_key
+from worker.retry import RetryPolicy
 
 pytestmark = pytest.mark.slow
 PROFILE_CLASS = "scheduling-test"
@@ -151,3 +153,38 @@ def _late_jobs(api_url: str, service_env: ServiceEnv, tmp_path: Path) -> None:
         report = client.report_html(job["id"])
         assert "priority low" in report and "due " in report and "after its deadline" in report
         assert client.cancel(job["id"])["status"] == "cancelling"  # parked: nobody would run it
+
+
+def test_a_failed_shard_waits_out_its_retry_delay_behind_other_tickets(
+    client: FreightClient, worker: Process, sessions, service_env: ServiceEnv
+) -> None:
+    """A shard that fails runs again only after the retry delay (worker/retry.py), even with another job's
+    tickets queued behind it: each of them claims the best free shard, and the failed one is not free
+    until its delay is over (before, the next ticket retook it at once and its attempts ran back to back)."""
+    model = service_env.settings.default_model
+    poisoned = client.submit(prompts(2, "poison"), model=PARKED_MODEL, max_tokens=2)  # nobody runs these yet
+    behind = client.submit(prompts(16, "behind"), model=PARKED_MODEL, max_tokens=2)
+    with sessions() as session:
+        # Parameters the engine refuses, planted in the database (no valid request makes them): every
+        # attempt fails.
+        for job, extra in ((poisoned, {"top_k": -1}), (behind, {})):
+            params = {**job_store.get_job(session, job["id"]).params, **extra, "model": model}
+            session.execute(update(Job).where(Job.id == job["id"]).values(params=params, model=model))
+        session.commit()
+    dispatcher = CeleryDispatcher(service_env.settings)
+    dispatcher.dispatch(poisoned["id"], model, [0])
+    dispatcher.dispatch(behind["id"], model, list(range(4)))
+    assert client.wait(behind["id"], poll_seconds=0.2, timeout=120)["status"] == "completed"
+    done = client.wait(poisoned["id"], poll_seconds=0.2, timeout=120)
+    assert done["status"] == "completed" and done["request_counts"]["failed"] == 2
+    with sessions() as session:
+        attempts = session.scalars(
+            select(ShardAttempt).where(ShardAttempt.job_id == poisoned["id"]).order_by(ShardAttempt.started_at)
+        ).all()
+    assert [attempt.outcome for attempt in attempts] == ["retry", "retry", "failed"]
+    delay = RetryPolicy.from_settings(service_env.settings).shard_delay_s
+    gaps = [
+        (later.started_at - earlier.updated_at).total_seconds()
+        for earlier, later in zip(attempts, attempts[1:], strict=False)
+    ]
+    assert min(gaps) >= delay - 0.05, f"attempts {gaps} s apart; the retry delay is {delay} s"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -108,7 +109,7 @@ def test_flower_shows_the_workers_and_the_shard_tasks(
     service_env: ServiceEnv,
 ) -> None:
     listener = ProgressEvents(service_env)
-    job = client.submit(prompts(8), max_tokens=8)
+    job = client.submit(prompts(8), max_tokens=8, priority="high", completion_window="2h")
     assert client.wait(job["id"], poll_seconds=0.5, timeout=300)["status"] == "completed"
 
     def shard_tasks() -> list[dict]:
@@ -122,6 +123,11 @@ def test_flower_shows_the_workers_and_the_shard_tasks(
     assert sorted(json.loads(t["args"].replace("'", '"'))[1] for t in tasks) == [0, 1]
     assert {t["worker"] for t in tasks} == {worker.hostname}
     assert all("'rows_written': 4" in t["result"] for t in tasks)
+    # The task page shows the job's schedule: its tenant, priority class and deadline (broker.TaskLabels).
+    deadline = datetime.fromisoformat(job["deadline"]).isoformat(timespec="seconds")
+    for task in tasks:
+        assert "'tenant': 'acme'" in task["kwargs"] and "'priority': 'high'" in task["kwargs"]
+        assert f"'deadline': '{deadline}'" in task["kwargs"], task["kwargs"]
 
     finalize = httpx.get(f"{flower_url}/api/tasks", params={"taskname": TASK_FINALIZE_JOB}, timeout=5).json()
     assert any(job["id"] in task["args"] and task["state"] == "SUCCESS" for task in finalize.values())

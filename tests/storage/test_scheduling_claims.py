@@ -133,3 +133,33 @@ def test_overdue_jobs_expire_keeping_their_place_in_history(sessions, model: str
         job = job_store.get_job(session, late)
         assert (job.status, job.cancel_requested, job.expired_at) == (JobStatus.CANCELLING, True, now)
         assert job_store.get_job(session, due_later).status == JobStatus.QUEUED
+
+
+def test_a_failed_shard_waits_out_its_retry_delay(sessions, model: str) -> None:
+    """A failed attempt's retry delay holds off every claim by ticket: the next ticket runs another
+    shard, or finds none (HELD for its own shard), until the delay is over; then the shard is claimed
+    again. The embedded runner's own claim (no wait_retry) retries at once, as before."""
+    import time
+
+    from storage.shard_store import Claim, claim_shard, release_shard
+
+    delay = 1.5
+    failing = _job(sessions, model, 1)
+    other = _job(sessions, model, 1)
+    first = _claim(sessions, model)
+    assert first == (failing, 0)
+    with sessions() as session:
+        assert release_shard(session, failing, 0, "w:1:1", "boom", retry_after_seconds=delay)
+        released_at = utcnow()
+    assert _claim(sessions, model, owner="w:2:1") == (other, 0)  # not the failed one, though it is first
+    assert _claim(sessions, model, owner="w:3:1") is None
+    with sessions() as session:  # its own ticket, found nothing better: looks again later
+        assert claim_shard(session, failing, 0, "w:3:1", LEASE, wait_retry=True) == Claim.HELD
+    time.sleep(max(0.0, delay - (utcnow() - released_at).total_seconds()) + 0.2)
+    assert _claim(sessions, model, owner="w:3:1") == (failing, 0)
+    with sessions() as session:
+        shard = get_shard(session, failing, 0)
+        assert (shard.attempts, shard.retry_at) == (2, None)
+        # Back to back, as the embedded runner retries: no wait.
+        assert release_shard(session, failing, 0, "w:3:1", "boom again", retry_after_seconds=60)
+        assert claim_shard(session, failing, 0, "w:4:1", LEASE) == Claim.CLAIMED

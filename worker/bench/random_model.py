@@ -58,6 +58,31 @@ FAMILIES: Mapping[str, RandomFamily] = MappingProxyType({
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
     }),
+    # Qwen/Qwen3-1.7B config.json
+    "qwen3-1.7b": RandomFamily(source="Qwen/Qwen3-1.7B", tokenizer=SMOLLM2, config={
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 6144, "vocab_size": 151936, "hidden_act": "silu",
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+    }),
+    # HuggingFaceTB/SmolLM2-360M-Instruct config.json
+    "smollm2-360m": RandomFamily(source="HuggingFaceTB/SmolLM2-360M-Instruct", tokenizer=SMOLLM2, config={
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 960, "num_hidden_layers": 32, "num_attention_heads": 15, "num_key_value_heads": 5,
+        "head_dim": 64, "intermediate_size": 2560, "vocab_size": 49152, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "tie_word_embeddings": True,
+    }),
+    # HuggingFaceTB/SmolLM2-1.7B-Instruct config.json
+    "smollm2-1.7b": RandomFamily(source="HuggingFaceTB/SmolLM2-1.7B-Instruct", tokenizer=SMOLLM2, config={
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "head_dim": 64, "intermediate_size": 8192, "vocab_size": 49152, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 130000.0}, "tie_word_embeddings": True,
+    }),
     # google/gemma-3-1b-it config.json (Gemma3ForCausalLM, text only)
     "gemma3-1b": RandomFamily(source="google/gemma-3-1b-it", tokenizer=GEMMA3, config={
         "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],

@@ -138,7 +138,7 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.quantized = dtype == torch.int8
-        # CPU: the compiled kernels or torch's paths (worker/engine/attention_plan.py measures which)
+        # CPU: the compiled kernels or torch's paths (worker/engine/plan/attention.py measures which)
         self.compiled_decode = True
         self.compiled_prefill = True
         self.pools: list[KVPool] = []

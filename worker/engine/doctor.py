@@ -12,19 +12,17 @@ from kernels.platform import describe
 from worker.engine.config import EngineConfig, ModelConfig
 from worker.engine.engine import pick_device
 from worker.engine.loader import calibration_dir, resolve_model_path
-from worker.engine.path_plan import plan_cpu_kernels, plan_for
+from worker.engine.plan.make import make_plan
 
 
-def doctor_report(
-    *, model: str, dtype: str, quantization: str | None, cache_dir: str | None, max_num_seqs: int
-) -> dict[str, Any]:
-    config = EngineConfig(model=model, dtype=dtype, quantization=quantization, cache_dir=cache_dir,
-                          max_num_seqs=max_num_seqs)  # fmt: skip
-    model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_path(model, cache_dir)))
-    device = pick_device(config.device)
-    plan = plan_for(config, model_config, device, calibration_dir(cache_dir))
-    if device.type == "cpu":
-        plan_cpu_kernels(plan, config, model_config, calibration_dir(cache_dir))
+def doctor_report(config: EngineConfig) -> dict[str, Any]:
+    """The machine and the plan `config` gets here (the same make_plan as a load, without the weights). The
+    CLI builds `config` from the worker's engine settings (jobs.domain.engine_settings.engine_options_of),
+    so doctor plans with exactly the options a worker loads with."""
+    model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_path(config.model, config.cache_dir)))
+    if config.num_threads and pick_device(config.device).type == "cpu":
+        torch.set_num_threads(config.num_threads)  # as the engine does before it plans
+    plan = make_plan(config, model_config, pick_device(config.device), calibration_dir(config.cache_dir))
     return {
         "machine": describe(),
         "compiled_kernels": {
@@ -35,8 +33,8 @@ def doctor_report(
             "prefill_attention_float32": cpu_prefill_attention.available(torch.float32),
             "prefill_attention_bfloat16": cpu_prefill_attention.available(torch.bfloat16),
         },
-        "model": model,
-        "requested": {"dtype": dtype, "quantization": quantization},
+        "model": config.model,
+        "requested": {"dtype": config.dtype, "quantization": config.quantization},
         "plan": plan.to_json(),
     }
 
@@ -64,6 +62,9 @@ def format_report(report: dict[str, Any]) -> str:
         for rows in sorted({int(key.split("/")[0]) for key in small["seconds"]}):
             ours, library = small["seconds"][f"{rows}/small"], small["seconds"][f"{rows}/library"]
             lines.append(f"  {rows:>4} rows   small-batch {ours * 1e3:7.2f}   library GEMM {library * 1e3:7.2f}")
+    if plan.get("invariant_rows"):
+        wide = ", ".join(str(r) for r in plan["wide_rows"]) or "none"
+        lines.append(f"invariance float products in blocks of {plan['invariant_rows']} rows (wider: {wide})")
     lines.append("paths")
     lines += [f"  {op:<24} {path}" for op, path in plan["paths"].items()]
     return "\n".join(lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -11,17 +12,17 @@ from worker.engine.attention import KVCache, KVGroup, kv_groups, split_kv_blocks
 from worker.engine.block_manager import BlockCoordinator, BlockManager, blocks_for
 from worker.engine.config import DTYPES, EngineConfig
 from worker.engine.identity import NumericsIdentity, numerics_identity
-from worker.engine.invariance import invariant_block_rows, wide_block_rows
+from worker.engine.kv_budget import cpu_kv_budget
 from worker.engine.loader import calibration_dir, load_checkpoint
 from worker.engine.model import DecoderModel
 from worker.engine.outputs import EngineStats, RequestOutput, RequestTimings
 from worker.engine.parameters import parameter_counts
-from worker.engine.path_plan import plan_cpu_kernels, plan_for
+from worker.engine.plan.make import make_plan
+from worker.engine.plan.smoothing import smoothed
 from worker.engine.sampler import apply_min_tokens, token_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
-from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, smooth_tensors
 from worker.engine.speculation import DEFAULT_MAX_ROWS, Speculator
 from worker.engine.stats import StatsRecorder
 from worker.engine.step_cost import StepCost
@@ -33,7 +34,6 @@ from worker.engine.weights import canonical_tensors
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 LOGITS_CHUNK_BYTES = 96 * 2**20  # bounds the [rows, vocab] float32 logits held at once for prompt logprobs
 # Logits a step makes and samples at once, in bytes: under glibc's largest mmap threshold (32 MiB), so the
 # heap hands the same memory back step after step. A whole step's logits (256 rows of a 49,152-token
@@ -55,34 +55,49 @@ def pick_device(requested: str | None) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        """load -> plan -> build -> allocate -> ready to step."""
         self.config = config
         self.device = pick_device(config.device)
         if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(config.num_threads)  # before the plan: it is measured at this thread count
         checkpoint = load_checkpoint(config.model, config.cache_dir)
-        self.tokenizer = checkpoint.tokenizer
-        self.model_config = checkpoint.config
+        self.tokenizer, self.model_config = checkpoint.tokenizer, checkpoint.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        calibration = calibration_dir(config.cache_dir)
-        self.plan = plan_for(config, self.model_config, self.device, calibration)
-        scheme = self.plan.scheme
-        self.dtype = DTYPES[scheme.dtype]
+        self.plan = make_plan(config, self.model_config, self.device, calibration_dir(config.cache_dir))
+        self.dtype = DTYPES[self.plan.scheme.dtype]
         self.kv_dtype = config.kv_torch_dtype(self.dtype)
-        if self.device.type == "cpu":
-            plan_cpu_kernels(self.plan, config, self.model_config, calibration)
-        tensors = canonical_tensors(self.model_config, checkpoint.tensors)
-        if scheme.quantization == "int8" and config.smoothing:
-            tensors = self._smoothed(tensors)
-        invariant_rows = self._invariant_rows(scheme.quantization)
-        self.model = DecoderModel(
-            self.model_config, tensors, self.dtype, scheme.quantization, self.device,
-            max_positions=self.max_model_len, int8_backend=scheme.int8_backend,
-            small_batch_rows=self._small_batch_rows(), invariant_rows=invariant_rows,
-            wide_rows=wide_block_rows(self.model_config, self.dtype, invariant_rows),
+        self.model = self._build_model(checkpoint.tensors)
+        self.numerics = self._numerics(checkpoint.path)
+        del checkpoint  # the checkpoint's tensors go before the KV pool is sized (CUDA: from free memory)
+        self._allocate_kv()
+        self._prepare_steps()
+
+    def _build_model(self, checkpoint_tensors: dict[str, torch.Tensor]) -> DecoderModel:
+        """The model in the plan's scheme: canonical tensors, smoothed first for INT8 (plan/smoothing.py)."""
+        config, plan = self.config, self.plan
+        tensors = canonical_tensors(self.model_config, checkpoint_tensors)
+        if plan.scheme.quantization == "int8" and config.smoothing:
+            tensors = smoothed(self.model_config, tensors, self.tokenizer, self.dtype, self.device,
+                               self.max_model_len, config.block_size)  # fmt: skip
+        return DecoderModel(
+            self.model_config, tensors, self.dtype, plan.scheme.quantization, self.device,
+            max_positions=self.max_model_len, int8_backend=plan.scheme.int8_backend,
+            small_batch_rows=plan.small_batch_rows, invariant_rows=plan.invariant_rows, wide_rows=plan.wide_rows,
             greedy_head=config.fused_greedy_head,
-        )
-        model_path = checkpoint.path
-        del checkpoint, tensors
+        )  # fmt: skip
+
+    def _numerics(self, model_path: Path) -> NumericsIdentity:
+        """What outputs depend on besides the request (a result cache's key: worker/shard/cache_key.py)."""
+        scheme = self.plan.scheme
+        return numerics_identity(
+            model_path=model_path, device=self.device, tier=self.plan.tier, dtype=scheme.dtype,
+            quantization=scheme.quantization, kv_dtype=self.kv_dtype, smoothing=self.config.smoothing,
+            invariant_rows=self.plan.invariant_rows,
+        )  # fmt: skip
+
+    def _allocate_kv(self) -> None:
+        """The KV pool (per KV group), its block managers, and the context the pool holds."""
+        config, scheme = self.config, self.plan.scheme
         num_blocks = self._num_kv_blocks()  # per KV group
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.kv_dtype, self.device)
         if self.plan.attention is not None:
@@ -101,14 +116,12 @@ class LLMEngine:
         self.blocks = self.kv_blocks.groups[0]  # KV group 0's manager: every layer's, without window layers
         wanted, self.max_model_len = self.max_model_len, self._context_in_pool()
         self.context_cut = self.max_model_len < wanted  # the KV pool, not the model or config, bounds it
+
+    def _prepare_steps(self) -> None:
+        """Scheduler, speculation, stats, finish checks and grammars: what every step uses."""
+        config = self.config
         self.scheduler = Scheduler(config, self.kv_blocks)
         self.speculator = self._speculator() if config.enable_speculation and config.num_speculative_tokens else None
-        # what outputs depend on besides the request (a result cache's key: worker/shard/cache_key.py)
-        self.numerics: NumericsIdentity = numerics_identity(
-            model_path=model_path, device=self.device, tier=self.plan.tier, dtype=scheme.dtype,
-            quantization=scheme.quantization, kv_dtype=self.kv_dtype, smoothing=config.smoothing,
-            invariant_rows=invariant_rows,
-        )
         # KV use in blocks of every layer (a window group's blocks weigh its share of the layers)
         counts = parameter_counts(self.model_config)
         self.stats = EngineStats(
@@ -125,17 +138,6 @@ class LLMEngine:
         self._rejected: list[Sequence] = []
         self._fallback_generator = torch.Generator(device=self.device).manual_seed(0)
 
-    def _small_batch_rows(self) -> int:
-        if self.config.small_batch_rows != "auto":
-            return self.config.small_batch_rows
-        return self.plan.small_batch.rows if self.plan.small_batch else 0
-
-    def _invariant_rows(self, quantization: str | None) -> int:
-        if self.config.batch_invariant_rows != "auto":
-            return self.config.batch_invariant_rows
-        exact = self.dtype == torch.float32 and quantization is None and self.device.type == "cpu"
-        return invariant_block_rows(self.model_config, self.dtype) if exact else 0
-
     def _speculator(self) -> Speculator:
         """Drafts priced by the small-batch measurement where there is one ("auto"), else bounded by rows."""
         k, max_len = self.config.num_speculative_tokens, self.max_model_len
@@ -145,17 +147,6 @@ class LLMEngine:
         if cost is None:
             return Speculator(self.kv_blocks, k, max_len, max_rows=DEFAULT_MAX_ROWS)
         return Speculator(self.kv_blocks, k, max_len, step_cost=cost)
-
-    def _smoothed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Calibrate on the shipped text with the float model, then smooth the weights (smoothing.py)."""
-        float_model = DecoderModel(
-            self.model_config, tensors, self.dtype, None, self.device,
-            max_positions=self.max_model_len,
-        )
-        ids = calibration_token_ids(self.tokenizer, min(CALIBRATION_TOKENS, self.max_model_len))
-        maxima = measure_input_maxima(float_model, ids, self.config.block_size)
-        del float_model
-        return smooth_tensors(self.model_config, tensors, maxima)
 
     def _num_kv_blocks(self) -> list[int]:
         """Blocks of each KV group's pool (attention.kv_groups) in the memory budget, or in the memory of
@@ -169,13 +160,24 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.gpu_memory_utilization
         else:
-            budget = cfg.kv_cache_memory_gb * 2**30
+            cpu = cpu_kv_budget(cfg.kv_cache_memory_gb)
+            budget = cpu.bytes
+            if cpu.cut:
+                log.warning(
+                    "KV cache cut from %.2f to %.2f GiB: %.2f GiB of memory is free after the model loaded",
+                    cpu.asked_bytes / 2**30, cpu.bytes / 2**30, cpu.free_bytes / 2**30,
+                )
         # more blocks than max_num_seqs full-length sequences would never be used
         useful = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
         counts = split_kv_blocks(groups, int(budget // per_layer_block), self._window_blocks(groups), useful)
         if min(counts) < 1:
             per_block = per_layer_block * model.num_layers
             raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB holds no {per_block}-byte block")
+        used = sum(n * per_layer_block * len(g.layers) for n, g in zip(counts, groups, strict=True))
+        log.info(
+            "KV cache: %s blocks of %d tokens per KV group, %.2f GiB of a %.2f GiB budget (%s)",
+            "/".join(map(str, counts)), cfg.block_size, used / 2**30, budget / 2**30, self.kv_dtype,
+        )
         return counts
 
     def _context_in_pool(self) -> int:

@@ -5,6 +5,9 @@ refuse a schema at submission in a child process (jobs/domain/grammar_check.py).
 In:  {"kind": "json_schema" | "json_object" | "regex" | "choice", "value": ...}
 Out: {"refusal": null} or {"refusal": "<kind> refused by the grammar engine: <reason>"}
 The grammar is built exactly as an engine builds it (structured.py grammar_for), without a tokenizer.
+
+It also counts a quote's exact prompt tokens with the model's tokenizer (token_count.py):
+In:  {"count_tokens": {...}}   Out: {"tokens": [...]} or {"error": "..."}
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TextIO
 
 from worker.engine.sampling_params import StructuredOutput
 from worker.engine.structured import grammar_for, refusal_message
+from worker.engine.token_count import Tokenizers, count_tokens
 
 
 def refusal(request: dict) -> str | None:
@@ -30,10 +34,14 @@ def refusal(request: dict) -> str | None:
 
 
 def serve(lines: TextIO, out: TextIO) -> None:
+    tokenizers = Tokenizers()  # loaded on the first count for each model, kept for the next quotes
     for line in lines:
         try:
             request = json.loads(line)
-            answer = {"refusal": refusal(request) if isinstance(request, dict) else "not a JSON object"}
+            if isinstance(request, dict) and isinstance(request.get("count_tokens"), dict):
+                answer = count_tokens(request["count_tokens"], tokenizers)
+            else:
+                answer = {"refusal": refusal(request) if isinstance(request, dict) else "not a JSON object"}
         except json.JSONDecodeError as exc:
             answer = {"refusal": f"not JSON: {exc}"}
         out.write(json.dumps(answer) + "\n")

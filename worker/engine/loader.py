@@ -133,7 +133,7 @@ def default_cache_dir() -> Path:
 
 
 def calibration_dir(cache_dir: Path | str | None = None) -> Path:
-    """Where measured execution plans are cached (worker/engine/path_plan.py): beside the models cache."""
+    """Where the plan's measurements are cached (worker/engine/plan/measure.py): beside the models cache."""
     models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return models.parent / "calibration"
 

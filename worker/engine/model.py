@@ -90,7 +90,7 @@ class DecoderModel:
             torch.tensor(config.embed_scale, dtype=torch.float32).to(dtype) if config.embed_scale != 1.0 else None
         )
         self.norm = get("norm").to(dtype)
-        # tied models have no lm_head, unless smoothing made one (its columns scaled, see smoothing.py)
+        # tied models have no lm_head, unless smoothing made one (its columns scaled, see plan/smoothing.py)
         head = get("lm_head") if "lm_head" in tensors else self.embed  # [vocab, hidden]
         # a soft-cap can round distinct logits to one value (tanh saturates), so its argmax is the logits' own
         greedy_head = greedy_head and not config.final_logit_softcap

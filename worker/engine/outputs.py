@@ -50,7 +50,7 @@ class EngineStats:
     busy_seconds: float = 0.0
     timeline: list[dict[str, float]] = field(default_factory=list)  # bounded samples over time
     tier: str = ""  # CPU ISA tier (kernels/platform.py) or "cuda"
-    paths: dict[str, str] = field(default_factory=dict)  # op -> path the engine runs (path_plan.py)
+    paths: dict[str, str] = field(default_factory=dict)  # op -> path the engine runs (plan/execution_plan.py)
     parameters: int = 0  # the model's (parameters.py)
     active_parameters: int = 0  # those one token runs through (top-k experts of a MoE layer)
 

@@ -2,10 +2,10 @@
 
 INT8 backends: "int_mm" runs torch._int_mm (s8 x s8; fast with AVX-512 VNNI, and the CUDA path), "onednn"
 runs oneDNN's u8 x s8 qlinear (fast on AVX2, where torch._int_mm is 50x slower than float32), "amx" our own
-GEMM on AMX tiles with the epilogue fused (kernels/cpu_int8_gemm_amx.py; CPUs with AMX-INT8); path_plan.py
+GEMM on AMX tiles with the epilogue fused (kernels/cpu_int8_gemm_amx.py; CPUs with AMX-INT8); plan/schemes.py
 measures which one this machine runs faster. On CPU, batches of at most `small_batch_rows` rows take our
 own weight-streaming product instead (kernels/cpu_int8_small_batch.py; the threshold is measured by
-small_batch_plan.py): same weight codes, exact integer products, so the outputs do not change with it.
+plan/small_batch.py): same weight codes, exact integer products, so the outputs do not change with it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class FloatLinear:
     between M = 2 and M = 4), which lets any change of batch composition (a draft's rows, other requests)
     flip a greedy near-tie. A fixed-size product rounds a row the same wherever it sits in the block and
     whatever the other rows hold, at a block size the engine checks at load on the model's shapes
-    (invariance.py: 16 with MKL's AVX-512 sgemm; smaller where a kernel splits a block unevenly). Long inputs
+    (plan/invariance.py: 16 with MKL's AVX-512 sgemm; smaller where a kernel splits a block unevenly). Long inputs
     (prefill) run as far as they go in wide blocks (wide_rows, descending), sizes at which the check found a
     product rounds every row as its B-row blocks do: the same results at up to 2x the GEMM rate."""
 
@@ -259,7 +259,7 @@ def make_linear(
     gated: bool = False,
     keep_codes: bool = False,
 ) -> Linear:
-    """int8_backend: "onednn" or "amx" on CPU when path_plan.py chose it; anything else runs int8_linear's
+    """int8_backend: "onednn" or "amx" on CPU when plan/schemes.py chose it; anything else runs int8_linear's
     dispatch. gated: a gate-then-up weight only ever used through silu_mul (the AMX backend packs it so).
     small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
     invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product; wide_rows:

@@ -2,7 +2,7 @@
 
 Families name and split the same weights differently (Llama's post_attention_layernorm is the norm before
 the MLP, Gemma's is the norm after attention; Phi-3 ships q/k/v fused); the decoder (model.py) and the
-smoothing pass (smoothing.py) read one canonical layout instead, built here once at load:
+smoothing pass (plan/smoothing.py) read one canonical layout instead, built here once at load:
 
     embed [vocab, hidden]            norm [hidden]            lm_head [vocab, hidden] (absent when tied)
     layers.{i}.attn_norm [hidden]    qkv [(heads + 2 * kv_heads) * head_dim, hidden]    qkv_bias (Qwen2)
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.config import ModelConfig
+from worker.engine.plan.shapes import expert_products, layer_products, lm_head
 
 
 def _prefix(tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
@@ -154,20 +155,25 @@ def _canonical_moe(config: ModelConfig, layer: int, prefix: str, tensors, get) -
 
 
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the canonical tensors (path_plan.py times random layers of a model's real shapes)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
-    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, h), "norm": (h,)}
+    """Shapes of the canonical tensors (plan/schemes.py times random layers of a model's real shapes); the
+    products' shapes come from plan/shapes.py."""
+    h, d = config.hidden_size, config.head_dim
+    products = {p.name: p.shape for p in layer_products(config)}
+    experts = {p.name: p.shape for p in expert_products(config)}
+    qkv_rows = products["qkv"][0]
+    shapes: dict[str, tuple[int, ...]] = {"embed": lm_head(config).shape, "norm": (h,)}
     if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.vocab_size, h)
+        shapes["lm_head"] = lm_head(config).shape
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
-        shapes |= {p + "attn_norm": (h,), p + "qkv": (qkv_rows, h), p + "o_proj": (h, config.num_heads * d),
-                   p + "mlp_norm": (h,), p + "gate_up": (2 * i, h), p + "down": (h, i)}  # fmt: skip
+        # in the order random models fill them (worker/bench/random_model.py draws from one generator)
+        shapes |= {p + "attn_norm": (h,), p + "qkv": products["qkv"], p + "o_proj": products["o_proj"],
+                   p + "mlp_norm": (h,), p + "gate_up": products["gate_up"], p + "down": products["down"]}  # fmt: skip
         if config.is_sparse(layer):
-            e, mi = config.num_experts, config.moe_intermediate_size
+            e = config.num_experts
             del shapes[p + "gate_up"], shapes[p + "down"]
-            shapes |= {p + "router": (e, h), p + "experts.gate_up": (e, 2 * mi, h), p + "experts.down": (e, h, mi)}
+            shapes |= {p + "router": experts["router"]}
+            shapes |= {p + name: (e, *s) for name, s in experts.items() if name != "router"}
         if config.sandwich_norms:
             shapes |= {p + "attn_out_norm": (h,), p + "mlp_out_norm": (h,)}
         if config.attention_bias:

@@ -21,7 +21,7 @@ from storage.status import AttemptOutcome, ShardStatus
 from worker.attempt_meter import AttemptMeter
 from worker.inputs import open_job_input, read_rows, shard_rows
 from worker.model_registry import UnservableModel
-from worker.retry import ShardRetry
+from worker.retry import RetryPolicy, ShardRetry
 from worker.shard.context import ShardHandedBack, WorkerContext
 from worker.shard.profile import record_finished_shard
 from worker.shard.requests import custom_id
@@ -108,7 +108,14 @@ class Attempt:
                 return ShardStatus.FAILED
             if disconnected or shard.attempts < ctx.settings.shard_max_attempts:
                 released = release_shard(
-                    session, job_id, shard_index, self.owner, message, count_attempt=not disconnected
+                    session,
+                    job_id,
+                    shard_index,
+                    self.owner,
+                    message,
+                    count_attempt=not disconnected,
+                    # Another job's ticket must not retake it before its own retried message would.
+                    retry_after_seconds=RetryPolicy.from_settings(ctx.settings).shard_delay_s,
                 )
                 # What the failed attempt ran is part of the job's cost (the retry reruns its unstored rows).
                 self.meter.record(session, AttemptOutcome.RETRY if released else AttemptOutcome.LEASE_LOST)

@@ -59,7 +59,8 @@ def run_next_shard(
                 fair_share=fair_share,
             )
     if claimed is None:
-        return run_shard(ctx, pool, job_id, shard_index, on_progress)
+        # Its own shard, unless that waits out a failed attempt's retry delay (then HELD: look again later).
+        return run_shard(ctx, pool, job_id, shard_index, on_progress, wait_retry=True)
     return _run_claimed(ctx, pool, ShardOutcome(*claimed, Claim.CLAIMED.value), owner, on_progress)
 
 
@@ -69,10 +70,14 @@ def run_shard(
     job_id: str,
     shard_index: int,
     on_progress: ProgressCallback | None = None,
+    *,
+    wait_retry: bool = False,
 ) -> ShardOutcome:
     owner = ctx.owner()
     with ctx.sessions() as session:
-        claim = claim_shard(session, job_id, shard_index, owner, ctx.settings.shard_lease_seconds)
+        claim = claim_shard(
+            session, job_id, shard_index, owner, ctx.settings.shard_lease_seconds, wait_retry=wait_retry
+        )
     outcome = ShardOutcome(job_id, shard_index, claim.value)
     return _run_claimed(ctx, pool, outcome, owner, on_progress)
 
@@ -173,6 +178,7 @@ def _execute(attempt: Attempt, pool: LLMPool, on_progress: ProgressCallback | No
         writer=writer,
         should_stop=should_stop,
         poll_seconds=min(0.5, ctx.settings.cancel_poll_seconds),
+        result_cache_ttl_seconds=ctx.settings.result_cache_ttl_seconds,
     )
     rows_run = kind_for(params).run(run)
     writer.flush()

@@ -1,11 +1,15 @@
 """A shard's use of its tenant's result cache (docs/result-cache.md): before the engine runs, the rows
 whose key (worker/shard/cache_key.py) an earlier finished row of the tenant has are written from it,
 marked cached, and only the rest run; once they ran, their outputs are stored under their keys. Which
-rows take part is the job's `reuse_results` or the default rule (jobs/domain/result_cache.py)."""
+rows take part is the job's `reuse_results` or the default rule (jobs/domain/result_cache.py); entries
+older than FREIGHT_RESULT_CACHE_TTL_SECONDS are not reused (storage/result_cache_store.py deletes them)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from jobs.domain.result_cache import reuses_result
+from storage.models import utcnow
 from storage.result_cache_store import CachedOutput, cached_outputs, remember_outputs
 from storage.result_record import ResultRecord
 from storage.status import COMPLETED_FINISH_REASONS
@@ -32,8 +36,11 @@ class ShardResultCache:
                 self.keys[request.row_index] = result_key(numerics, request.prompt_ids, sampling)
         if not self.keys:
             return list(requests)
+        fresh_since = utcnow() - timedelta(seconds=run.result_cache_ttl_seconds)
         with run.sessions() as session:
-            found = cached_outputs(session, tenant=run.tenant, keys=list(self.keys.values()))
+            found = cached_outputs(
+                session, tenant=run.tenant, keys=list(self.keys.values()), fresh_since=fresh_since
+            )
         todo: list[EngineRequest[str]] = []
         for request in requests:
             key = self.keys.get(request.row_index)

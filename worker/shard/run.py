@@ -34,6 +34,7 @@ class ShardRun:
     writer: ResultWriter
     should_stop: Callable[[], bool]
     poll_seconds: float
+    result_cache_ttl_seconds: float  # cache entries older than this are not reused (result_cache.py)
 
     def stream(
         self,

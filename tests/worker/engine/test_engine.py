@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from worker.engine import LLM, SamplingParams
-from worker.engine.invariance import (
+from worker.engine.plan.invariance import (
     CANDIDATE_ROWS,
     invariant_block_rows,
     rounds_like_its_blocks,

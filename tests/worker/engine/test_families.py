@@ -16,7 +16,7 @@ from worker.engine import LLM, SamplingParams
 from worker.engine.loader import load_checkpoint
 from worker.engine.model import DecoderModel
 from worker.engine.parameters import parameter_counts
-from worker.engine.smoothing import prefill
+from worker.engine.plan.smoothing import prefill
 from worker.engine.weights import canonical_tensors
 
 NEW_TOKENS = 64

@@ -12,7 +12,7 @@ import torch
 from tests.worker.engine.families import FAMILIES, build_family
 from tests.worker.engine.test_real_model import chat_prompts
 from worker.engine import LLM, SamplingParams
-from worker.engine.path_plan import candidate_schemes
+from worker.engine.plan.schemes import candidate_schemes
 
 # the INT8 backends with a packed copy of their own, beside which keep_codes keeps the plain codes (oneDNN,
 # AMX tiles where present); int_mm's layer holds the codes anyway (and is the slowest to run in CI)

@@ -25,8 +25,8 @@ from worker.engine.loader import load_checkpoint
 from worker.engine.model import DecoderModel
 from worker.engine.moe import MoEBlock, naive_moe
 from worker.engine.parameters import parameter_counts
+from worker.engine.plan.smoothing import measure_input_maxima, prefill, smooth_tensors
 from worker.engine.quantization import FloatLinear, make_linear
-from worker.engine.smoothing import measure_input_maxima, prefill, smooth_tensors
 from worker.engine.weights import canonical_tensors, missing_tensor_names
 
 # the two FAMILIES entries (also run by test_families), and Qwen3-MoE without renormalised top-k weights,

@@ -1,8 +1,8 @@
-"""dtype/quantization "auto": measured choice, the cache under FREIGHT_HOME, explicit choices honoured."""
+"""dtype/quantization "auto" (worker/engine/plan/schemes.py): measured choice, the cache under FREIGHT_HOME,
+explicit choices honoured."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -10,9 +10,18 @@ import pytest
 import torch
 
 from kernels import cpu_int8_gemm_amx
-from worker.engine import timing
 from worker.engine.config import EngineConfig, ModelConfig
-from worker.engine.path_plan import TIE_RATIO, cache_key, candidate_schemes, measure_schemes, plan_for
+from worker.engine.plan import timing
+from worker.engine.plan.make import make_plan
+from worker.engine.plan.measure import CacheEntry, calibration_key
+from worker.engine.plan.schemes import (
+    TIE_RATIO,
+    SchemeChoice,
+    candidate_schemes,
+    choose_scheme,
+    decode_rows,
+    measure_schemes,
+)
 
 CPU = torch.device("cpu")
 SMALL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -31,9 +40,17 @@ def config(**options) -> EngineConfig:
     return EngineConfig(model="unused", **options)
 
 
+def entry(folder: Path | None, config: EngineConfig) -> CacheEntry:
+    """The scheme measurement's entry, named as make_plan names it."""
+    return CacheEntry(folder, calibration_key(SMALL, decode_rows(config.max_num_seqs), config.kv_cache_dtype))
+
+
+def plan_for(config: EngineConfig, model: ModelConfig, device: torch.device, folder: Path | None) -> SchemeChoice:
+    return choose_scheme(config, model, device, entry(folder, config))
+
+
 def write_cache(folder: Path, timings: dict[str, float]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{cache_key(SMALL, 256)}.json").write_text(json.dumps({"seconds_per_token": timings}))
+    entry(folder, config()).write(timings)
 
 
 def every_scheme(seconds: float) -> dict[str, float]:
@@ -65,7 +82,6 @@ def test_auto_picks_the_fastest_measured_scheme(tmp_path: Path) -> None:
     write_cache(tmp_path, timings)
     plan = plan_for(config(), SMALL, CPU, tmp_path)
     assert plan.scheme.name == "bfloat16+int8/int_mm" and plan.source == "cache"
-    assert plan.paths()["projections"] == "W8A8 torch._int_mm (s8 x s8)"
     # auto on one axis only: the other stays as asked
     assert plan_for(config(dtype="float32"), SMALL, CPU, tmp_path).scheme.dtype == "float32"
     assert plan_for(config(quantization=None), SMALL, CPU, tmp_path).scheme.name in ("float32", "bfloat16")
@@ -84,7 +100,7 @@ def test_a_near_tie_goes_to_int8_weights_then_the_fastest(tmp_path: Path) -> Non
 
 def test_an_explicit_slow_choice_is_honoured_with_a_warning(tmp_path: Path, caplog) -> None:
     write_cache(tmp_path, every_scheme(1.0) | {"float32": 0.25})
-    with caplog.at_level(logging.WARNING, logger="worker.engine.path_plan"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.plan.schemes"):
         plan = plan_for(config(dtype="bfloat16", quantization=None), SMALL, CPU, tmp_path)
     assert plan.scheme.name == "bfloat16"
     assert "4.0x slower than float32" in caplog.text
@@ -94,6 +110,15 @@ def test_an_explicit_choice_without_a_measurement_measures_nothing(tmp_path: Pat
     plan = plan_for(config(dtype="float32", quantization=None), SMALL, CPU, tmp_path)
     assert plan.source == "fixed" and plan.scheme.name == "float32"
     assert not list(tmp_path.iterdir())
+
+
+def test_the_plan_names_the_path_of_every_op(tmp_path: Path) -> None:
+    write_cache(tmp_path, every_scheme(1.0) | {"bfloat16+int8/int_mm": 0.5})
+    plan = make_plan(config(small_batch_rows=0), SMALL, CPU, tmp_path)
+    assert plan.scheme.name == "bfloat16+int8/int_mm" and plan.source == "cache"
+    assert plan.paths()["projections"] == "W8A8 torch._int_mm (s8 x s8)"
+    assert plan.small_batch is None and plan.small_batch_rows == 0  # pinned: nothing measured
+    assert plan.invariant_rows == 0 and plan.wide_rows == ()  # INT8: no exact mode
 
 
 def test_unknown_choices_are_refused() -> None:
@@ -107,6 +132,8 @@ def test_cuda_auto_quantizes_wide_models_only() -> None:
     # no GPU needed: a CUDA plan is fixed, not measured
     wide = ModelConfig(**{**SMALL.__dict__, "hidden_size": 4096})
     cuda = torch.device("cuda")
-    assert plan_for(config(), SMALL, cuda, None).scheme.name == "bfloat16"
-    assert plan_for(config(), wide, cuda, None).scheme.name == "bfloat16+int8/triton"
-    assert plan_for(config(quantization="int8"), SMALL, cuda, None).scheme.name == "bfloat16+int8/triton"
+    assert make_plan(config(), SMALL, cuda, None).scheme.name == "bfloat16"
+    assert make_plan(config(), wide, cuda, None).scheme.name == "bfloat16+int8/triton"
+    plan = make_plan(config(quantization="int8"), SMALL, cuda, None)
+    assert plan.scheme.name == "bfloat16+int8/triton" and plan.tier == "cuda" and plan.source == "fixed"
+    assert plan.attention is None and plan.small_batch is None

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch
-from worker.engine import timing
 from worker.engine.config import ModelConfig
+from worker.engine.plan import timing
+from worker.engine.plan.measure import CacheEntry
+from worker.engine.plan.small_batch import ROWS, choose_small_batch, measure_small_batch, rows_from
 from worker.engine.quantization import make_linear
-from worker.engine.small_batch_plan import ROWS, choose_small_batch, measure_small_batch, rows_from
 
 pytestmark = pytest.mark.skipif(not cpu_int8_small_batch.available(), reason="no C++ toolchain to build the kernel")
 
@@ -51,19 +51,19 @@ def test_threshold_is_the_last_win_of_an_unbroken_run() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_measured_once_then_read_from_the_cache(tmp_path: Path, backend: str) -> None:
-    cache = tmp_path / "small.json"
+    cache = CacheEntry(tmp_path, "small")
     first = choose_small_batch(SMALL, "float32", backend, cache)
     assert set(first.seconds) == {f"{m}/{path}" for m in ROWS for path in ("small", "library")}
     assert all(0 < t < 1 for t in first.seconds.values())
     assert first.rows == rows_from(first.seconds)
-    assert cache.is_file()
+    assert cache.path.is_file()
     again = choose_small_batch(SMALL, "float32", backend, cache)
     assert again == first
 
 
 def test_a_cached_measurement_decides(tmp_path: Path) -> None:
-    cache = tmp_path / "small.json"
-    cache.write_text(json.dumps({"seconds": seconds(16)}))
+    cache = CacheEntry(tmp_path, "small")
+    cache.write(seconds(16))
     assert choose_small_batch(SMALL, "float32", "int_mm", cache).rows == 16
 
 

@@ -7,7 +7,7 @@ import torch
 
 from worker.engine.loader import load_checkpoint
 from worker.engine.model import DecoderModel
-from worker.engine.smoothing import calibration_token_ids, measure_input_maxima, prefill, smooth_tensors
+from worker.engine.plan.smoothing import calibration_token_ids, measure_input_maxima, prefill, smooth_tensors
 from worker.engine.weights import canonical_tensors
 
 

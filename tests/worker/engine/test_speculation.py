@@ -19,10 +19,10 @@ from worker.engine import LLM, SamplingParams
 from worker.engine.block_manager import blocks_for
 from worker.engine.draft_state import DraftState
 from worker.engine.outputs import RequestTimings
+from worker.engine.plan.small_batch import SmallBatchChoice
 from worker.engine.sampler import greedy_picks
 from worker.engine.scheduler import PrefillChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
-from worker.engine.small_batch_plan import SmallBatchChoice
 from worker.engine.speculation import (
     ACCEPTANCE_FLOOR,
     DEFAULT_MAX_ROWS,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine import timing
-from worker.engine.timing import ContentionMeter, store_measurement
+from worker.engine.plan import timing
+from worker.engine.plan.measure import CacheEntry
+from worker.engine.plan.timing import ContentionMeter
 
 
 def spin(seconds: float) -> None:
@@ -41,14 +42,13 @@ def test_own_work_is_not_counted_as_others() -> None:
 
 
 def test_a_contended_measurement_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    path = tmp_path / "plan.json"
-    meter = ContentionMeter()
-    meter.others_share = 0.5
-    store_measurement(path, {"seconds": {"a": 1.0}}, meter)
-    assert not path.exists()
+    entry = CacheEntry(tmp_path, "plan")
+    monkeypatch.setattr(timing, "CONTENDED_SHARE", -1.0)  # any share of others counts as busy
+    measured = entry.measure(lambda: {"a": 1.0})
+    assert measured.contended and measured.source == "measured" and measured.seconds == {"a": 1.0}
+    assert not entry.path.exists()
     assert "not caching plan.json" in caplog.text
-    meter.others_share = 0.0
-    store_measurement(path, {"seconds": {"a": 1.0}}, meter)
-    assert json.loads(path.read_text()) == {"seconds": {"a": 1.0}}
-    monkeypatch.setattr(timing, "CONTENDED_SHARE", 1.0)
-    assert not meter.contended
+    monkeypatch.setattr(timing, "CONTENDED_SHARE", float("inf"))
+    assert not entry.measure(lambda: {"a": 2.0}).contended
+    assert json.loads(entry.path.read_text())["seconds"] == {"a": 2.0}
+    assert entry.measure(lambda: {"a": 3.0}).source == "cache"

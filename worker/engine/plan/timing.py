@@ -1,17 +1,12 @@
-"""Timing and cache-file helpers shared by the load-time measurements (path_plan.py, attention_plan.py,
-small_batch_plan.py)."""
+"""Timing a load-time measurement, and telling whether other processes disturbed it."""
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-
-log = logging.getLogger(__name__)
 
 MAX_REPEATS = 3
 REPEAT_SECONDS = 0.15  # stop repeating a timing once this much time went into it
@@ -73,23 +68,3 @@ class ContentionMeter:
     @property
     def contended(self) -> bool:
         return self.others_share > CONTENDED_SHARE
-
-
-def store_measurement(path: Path | None, payload: dict, meter: ContentionMeter) -> None:
-    """Cache a measurement, unless the machine was busy with others while it ran: then it serves this
-    start only, and the next start measures again."""
-    if path is None:
-        return
-    if meter.contended:
-        log.warning("other processes used %.0f%% of the CPUs during calibration: not caching %s; the next "
-                    "start measures again", 100 * meter.others_share, path.name)  # fmt: skip
-        return
-    write_json_atomically(path, payload)
-
-
-def write_json_atomically(path: Path, payload: dict) -> None:
-    """Readers see the old file or the whole new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(payload, indent=1))
-    partial.replace(path)

@@ -3,15 +3,13 @@
 The compiled kernels (kernels/csrc) exist per ISA tier and normally win by 2-3x; measuring keeps a
 machine where they do not (an untuned tier, a head_dim they run slowly) on the faster path. Timed at
 load on the model's head layout with a filled INT8 or float cache (a decode batch and a prefill step),
-cached beside the scheme measurement (path_plan.py). A measurement disturbed by other processes is neither
+cached with the other measurements (measure.py). A measurement disturbed by other processes is neither
 cached nor trusted: the compiled kernels are kept.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,7 +22,8 @@ from kernels import (
 )
 from worker.engine.attention import KVCache
 from worker.engine.config import ModelConfig
-from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
+from worker.engine.plan.measure import CacheEntry
+from worker.engine.plan.timing import best_seconds
 
 DECODE_SEQS, DECODE_CONTEXT = 32, 256  # a decode batch's shape
 # a prefill step's shape: chunks of new tokens behind a cached prefix, as prefix caching makes of every row of
@@ -33,6 +32,7 @@ DECODE_SEQS, DECODE_CONTEXT = 32, 256  # a decode batch's shape
 # cache and ran the 256-request bench's prefill attention 1.8x slower than the compiled kernel.
 PREFILL_SEQS, PREFILL_LEN, PREFILL_CACHED = 4, 128, 32
 BLOCK_SIZE = 16
+TIMINGS = ("decode/compiled", "decode/torch", "prefill/compiled", "prefill/torch")
 
 
 @dataclass(frozen=True)
@@ -73,24 +73,17 @@ def measure_attention(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dt
     return seconds
 
 
-def choose_attention(
-    model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, cache_file: Path | None
-) -> AttentionChoice:
+def choose_attention(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, entry: CacheEntry) -> AttentionChoice:
     """Measured (or cached) on CPU when a compiled kernel exists; torch's path otherwise."""
     query = torch.empty(1, 1, model.head_dim, dtype=dtype)
     if not cpu_decode_attention.available() and not cpu_prefill_attention.supports(query, query):
         return AttentionChoice(compiled_decode=False, compiled_prefill=False, seconds={})
-    seconds = None
-    if cache_file is not None and cache_file.is_file():
-        seconds = json.loads(cache_file.read_text()).get("seconds")
-    if seconds is None:
-        with ContentionMeter() as meter:
-            seconds = measure_attention(model, dtype, kv_dtype)
-        store_measurement(cache_file, {"seconds": seconds}, meter)
-        if meter.contended:
-            # a busy neighbour makes either timing arbitrary (torch's path once measured faster and then ran
-            # decode attention 40x slower): the kernels' usual win stands until a quiet start measures
-            return AttentionChoice(compiled_decode=True, compiled_prefill=True, seconds=seconds)
+    measured = entry.measure(lambda: measure_attention(model, dtype, kv_dtype), lambda s: set(TIMINGS) <= s.keys())
+    seconds = measured.seconds
+    if measured.contended:
+        # a busy neighbour makes either timing arbitrary (torch's path once measured faster and then ran
+        # decode attention 40x slower): the kernels' usual win stands until a quiet start measures
+        return AttentionChoice(compiled_decode=True, compiled_prefill=True, seconds=seconds)
     return AttentionChoice(
         compiled_decode=seconds["decode/compiled"] <= seconds["decode/torch"],
         compiled_prefill=seconds["prefill/compiled"] <= seconds["prefill/torch"],

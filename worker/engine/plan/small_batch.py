@@ -5,16 +5,14 @@ reading the weights once; the library GEMMs are not built for that (oneDNN's qli
 16 rows on the 2-core AVX2 VM), our kernel is (kernels/cpu_int8_small_batch.py). Where the crossover lies
 depends on the machine and the shapes, so it is measured at load on the model's layer shapes, with
 enough layers cycled through (POOL_BYTES of weights) that they come from memory as in a real step, and
-cached beside the scheme measurement (path_plan.py). Both paths multiply the same codes exactly, so the
+cached with the other measurements (measure.py). Both paths multiply the same codes exactly, so the
 threshold changes speed, never outputs.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -26,7 +24,9 @@ from kernels import (
     quantize_weight_per_channel,
 )
 from worker.engine.config import DTYPES, ModelConfig
-from worker.engine.timing import ContentionMeter, best_seconds, store_measurement
+from worker.engine.plan.measure import CacheEntry
+from worker.engine.plan.shapes import expert_products, layer_products
+from worker.engine.plan.timing import best_seconds
 
 ROWS = (1, 4, 16, 32, 64, 128)  # batch sizes compared
 POOL_BYTES = 64 << 20  # int8 weights cycled through per timing: more than a server CPU's L3
@@ -48,12 +48,11 @@ class SmallBatchChoice:
 
 
 def _projection_shapes(model: ModelConfig) -> list[tuple[int, int]]:
-    """[N, K] of one layer's four products: fused qkv, o, fused gate/up, down."""
-    h, i, d = model.hidden_size, model.intermediate_size, model.head_dim
-    shapes = [((model.num_heads + 2 * model.num_kv_heads) * d, h), (h, model.num_heads * d), (2 * i, h), (h, i)]
-    if model.num_experts:  # MoE: an expert's gate/up and down (a decode row streams top-k of them per layer)
-        shapes[2:] = [(2 * model.moe_intermediate_size, h), (h, model.moe_intermediate_size)]
-    return shapes
+    """[N, K] of the four products a decode row streams per layer: fused qkv, o, and gate/up and down (of
+    an expert, in an MoE model: a decode row streams top-k of them per layer)."""
+    dense = [p.shape for p in layer_products(model)]
+    experts = [p.shape for p in expert_products(model)]
+    return dense[:2] + experts[1:] if experts else dense
 
 
 @torch.inference_mode()
@@ -108,15 +107,13 @@ def rows_from(seconds: dict[str, float]) -> int:
     return rows
 
 
-def choose_small_batch(model: ModelConfig, dtype: str, int8_backend: str, cache_file: Path | None) -> SmallBatchChoice:
+def covers_every_row_count(seconds: dict[str, float]) -> bool:
+    return all(f"{m}/{path}" in seconds for m in ROWS for path in ("small", "library"))
+
+
+def choose_small_batch(model: ModelConfig, dtype: str, int8_backend: str, entry: CacheEntry) -> SmallBatchChoice:
     """Measured (or cached) on CPU when the kernel is built; never otherwise."""
     if not cpu_int8_small_batch.available():
         return SmallBatchChoice(rows=0, seconds={})
-    seconds = None
-    if cache_file is not None and cache_file.is_file():
-        seconds = json.loads(cache_file.read_text()).get("seconds")
-    if seconds is None or any(f"{m}/small" not in seconds for m in ROWS):
-        with ContentionMeter() as meter:
-            seconds = measure_small_batch(model, dtype, int8_backend)
-        store_measurement(cache_file, {"seconds": seconds}, meter)
-    return SmallBatchChoice(rows=rows_from(seconds), seconds=seconds)
+    measured = entry.measure(lambda: measure_small_batch(model, dtype, int8_backend), covers_every_row_count)
+    return SmallBatchChoice(rows=rows_from(measured.seconds), seconds=measured.seconds)

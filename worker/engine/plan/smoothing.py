@@ -11,7 +11,7 @@ into the weights, where per-output-channel scales absorb it:
 The 1 / s_j is folded into what produces the input, so no extra op runs: the RMSNorm weight before
 qkv and gate_up, the up rows of gate_up before down (act(gate) * up is linear in up), and the final
 norm before the LM head (a tied head then gets a scaled copy of the embeddings). max|X_j|
-comes from one float forward pass over calibration.txt beside this file; nothing is downloaded.
+comes from one float forward pass over worker/engine/calibration.txt; nothing is downloaded.
 
 Mixture-of-experts layers (moe.py): one s for the block input, from its maxima and the concatenated
 experts' gate_up weights, folded into the norm before the block (the float32 router reads the same
@@ -29,8 +29,10 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, KVCache
 from worker.engine.config import ModelConfig
+from worker.engine.model import DecoderModel
 
-CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+CALIBRATION_TEXT = Path(__file__).parent.parent / "calibration.txt"  # shipped beside the engine
+CALIBRATION_TOKENS = 512  # tokens of the shipped text run through the float model to calibrate smoothing
 ALPHA = 0.5  # SmoothQuant's default migration strength
 MIN_SCALE = 1e-5  # keeps s_j finite for channels that never fire
 
@@ -207,3 +209,16 @@ def _smooth_moe(
         experts_down[expert] *= s_e
     out[gate_up] = experts_gate_up.to(tensors[gate_up].dtype)
     out[down] = experts_down.to(tensors[down].dtype)
+
+
+def smoothed(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer, dtype: torch.dtype, device: torch.device,
+    max_positions: int, block_size: int,
+) -> dict[str, torch.Tensor]:
+    """The canonical tensors smoothed: calibrated on the shipped text with the float model, which is then
+    dropped (the engine's load step, before the INT8 model is built)."""
+    float_model = DecoderModel(config, tensors, dtype, None, device, max_positions=max_positions)
+    ids = calibration_token_ids(tokenizer, min(CALIBRATION_TOKENS, max_positions))
+    maxima = measure_input_maxima(float_model, ids, block_size)
+    del float_model
+    return smooth_tensors(config, tensors, maxima)

@@ -20,24 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.config import ModelConfig
+from worker.engine.plan.shapes import expert_products, layer_products
+from worker.engine.plan.shapes import lm_head as head_product
 
 CANDIDATE_ROWS = (16, 12, 8, 6, 4, 2)  # tried in this order; 1 (row by row) is the fallback
 WIDE_CANDIDATE_ROWS = (1024, 256)  # wide blocks for long inputs, each used where it rounds like the blocks
 
 
 def projection_shapes(model: ModelConfig, *, lm_head: bool = True) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every float product a layer (and the LM head) runs."""
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return [
-        (model.hidden_size, q + 2 * kv),  # qkv
-        (q, model.hidden_size),  # o_proj
-        (model.hidden_size, 2 * model.intermediate_size),  # gate_up
-        (model.intermediate_size, model.hidden_size),  # down
-    ] + ([(model.hidden_size, model.vocab_size)] if lm_head else []) + ([  # MoE: router, each expert's products
-        (model.hidden_size, model.num_experts),
-        (model.hidden_size, 2 * model.moe_intermediate_size),
-        (model.moe_intermediate_size, model.hidden_size),
-    ] if model.num_experts else [])  # fmt: skip
+    """(in_features, out_features) of every float product a layer (and the LM head) runs: a dense layer's
+    four, the LM head's, and in an MoE model the router's and an expert's two (shapes.py)."""
+    products = layer_products(model) + ([head_product(model)] if lm_head else []) + expert_products(model)
+    return [(p.in_features, p.out_features) for p in products]
 
 
 def rounds_alike_at_every_position(
@@ -85,3 +79,13 @@ def wide_block_rows(model: ModelConfig, dtype: torch.dtype, block: int) -> tuple
         rows for rows in WIDE_CANDIDATE_ROWS
         if rows % block == 0 and all(rounds_like_its_blocks(k, n, rows, block, dtype) for k, n in shapes)
     )  # fmt: skip
+
+
+def invariance_rows(model: ModelConfig, dtype: torch.dtype, exact: bool, configured: int | str) -> tuple[int, tuple[int, ...]]:
+    """(block rows, wide block rows) of the float projections: `configured` unless "auto"; "auto" checks the
+    largest invariant block in the exact mode (unquantized float32 on CPU) and runs no blocks (0) otherwise."""
+    if configured != "auto":
+        block = int(configured)
+    else:
+        block = invariant_block_rows(model, dtype) if exact else 0
+    return block, wide_block_rows(model, dtype, block)

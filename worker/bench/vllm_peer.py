@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from worker.bench.peak_rss import PeakRSS
 from worker.bench.sharegpt import Workload
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -56,16 +57,23 @@ def run_vllm(
         command = [str(python), str(script), "--workload", str(workload_path), "--model", str(model_path),
                    "--dtype", dtype, "--dump-tokens", str(tokens_path), "--report", str(report_path)]  # fmt: skip
         started = time.perf_counter()
-        try:
-            done = subprocess.run(command, env=vllm_environment(python, threads), capture_output=True, text=True,
-                                  timeout=timeout_s)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            elapsed = time.perf_counter() - started
-            total = workload.prompt_tokens + len(workload) * workload.output_len
-            return {"system": "vllm", "dtype": dtype, "did_not_finish_s": round(elapsed, 1),
-                    "total_tokens_per_s_below": round(total / elapsed, 2)}, None  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"vllm_baseline.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        log_path = Path(tmp) / "vllm.log"
+        with log_path.open("w") as log, subprocess.Popen(
+            command, env=vllm_environment(python, threads), stdout=log, stderr=subprocess.STDOUT, text=True
+        ) as process:
+            peak = PeakRSS(process.pid)  # vLLM's engine core is a child process: the tree's sum
+            try:
+                returncode = process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                elapsed = time.perf_counter() - started
+                total = workload.prompt_tokens + len(workload) * workload.output_len
+                return {"system": "vllm", "dtype": dtype, "did_not_finish_s": round(elapsed, 1),
+                        "total_tokens_per_s_below": round(total / elapsed, 2), "peak_rss_mb": peak.peak_mb()}, None  # fmt: skip
+        peak_mb = peak.peak_mb()
+        if returncode != 0:
+            raise RuntimeError(f"vllm_baseline.py failed ({returncode}):\n{log_path.read_text()[-3000:]}")
         report = json.loads(report_path.read_text())
         tokens = json.loads(tokens_path.read_text())["output_token_ids"]
-    return {"system": "vllm", **report}, tokens
+    return {"system": "vllm", **report, "peak_rss_mb": peak_mb}, tokens

@@ -237,6 +237,9 @@ class JobObject(BaseModel):
         None, description="set at submission when the quote's ETA was past the deadline"
     )
     expired_at: datetime | None = Field(None, description="the deadline passed first: the job was cancelled")
+    quote: dict[str, Any] | None = Field(
+        None, description="the job's quote at submission (the fields of POST /v1/jobs/quote's answer)"
+    )
 
 
 class JobList(BaseModel):

@@ -352,6 +352,7 @@ class JobService:
             deadline=job.deadline,
             deadline_warning=job.deadline_warning,
             expired_at=job.expired_at,
+            quote=repaired(job.quote),
         )
 
     def get(self, tenant: str, job_id: str) -> JobObject:

@@ -148,6 +148,10 @@ def _late_jobs(api_url: str, service_env: ServiceEnv, tmp_path: Path) -> None:
             assert freight_main(args) == 0
         job = json.loads(out.read_text())
         assert job["priority"] == "low" and "after its deadline" in job["deadline_warning"]
+        # the quote made at submission travels with the job object
+        assert job["quote"]["rows"] == 40 and job["quote"]["deadline_met"] is False
+        assert job["quote"]["deadline_warning"] == job["deadline_warning"]
+        assert client.get_job(job["id"])["quote"] == job["quote"]
         due = datetime.fromisoformat(job["deadline"])
         assert timedelta(seconds=50) < due - datetime.now(UTC) <= timedelta(minutes=1)
         report = client.report_html(job["id"])

@@ -8,8 +8,8 @@ Two of them, by query dtype: bfloat16 with AVX-512 BF16 dot products, and float3
 (every x86 build tier from AVX2 up), each for head_dim 64, 128 or 256. Everything else keeps the torch path.
 Both take a sliding window (each query sees its last `window` context rows, itself included) and
 attention-logit soft-capping (each score s becomes soft_cap * tanh(s / soft_cap)).
-Where the CPU has AMX (Sapphire Rapids and later) bfloat16 head_dim 64 runs on AMX tiles instead, 3-3.6x
-the AVX-512 BF16 kernel on a 2-core VM (amx_enabled(); platform.amx_allowed() can turn it off).
+Where the CPU has AMX (Sapphire Rapids and later) bfloat16 runs on AMX tiles instead, several times the
+AVX-512 BF16 kernel (docs/benchmarks.md; amx_enabled(); platform.amx_allowed() can turn it off).
 On a 2-core Zen 3 (AVX2) the float32 kernel takes 15 prompts of 4,200 tokens in all (9 heads, 3 kv heads,
 head_dim 64) in about 13 ms, 110 GFLOP/s; SDPA per sequence takes about 30 ms.
 """
@@ -74,7 +74,7 @@ def prefill_attention_cpu(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim] in query dtype: those chunks' rows are written
     kv_starts: list[int] | None = None,  # first key row of each chunk's context (default: q_starts)
     kv_lens: list[int] | None = None,  # its context length >= q_len; its queries are the last q_len positions
-    amx: bool | None = None,  # bfloat16 head_dim 64 on AMX tiles; None: where amx_enabled()
+    amx: bool | None = None,  # bfloat16 on AMX tiles; None: where amx_enabled()
     *,
     window: int = 0,  # > 0: the query at context index i sees context rows j with i - window < j <= i
     soft_cap: float = 0.0,  # > 0: each score s (scale applied) becomes soft_cap * tanh(s / soft_cap)
@@ -110,4 +110,4 @@ def prefill_attention_cpu(
     use_amx = amx_enabled() if amx is None else amx
     if use_amx and not extension.available_amx():
         raise RuntimeError("AMX is not usable on this CPU")
-    extension.prefill_attention_bf16(*args, use_amx and query.shape[-1] == 64, **options)
+    extension.prefill_attention_bf16(*args, use_amx, **options)

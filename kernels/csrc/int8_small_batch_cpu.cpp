@@ -296,14 +296,20 @@ std::vector<int8_t> pack_activations(const int8_t* x, int64_t M, int64_t K) {
 }
 
 // Accumulators 0 .. B-1 += the weight block at w (16 rows, stride K) times activation blocks first .. first+B-1.
+// ahead: a later weight block (16 x K bytes, contiguous) to stream into L2, 16 lines per chunk of K, or null.
+// Spread over the products rather than issued at once: a burst of 10 KB of prefetches fills the core's miss
+// queue and stalls the tile products behind it (Gemma 3's LM head at 64 rows: 18 ms a step with the burst).
 template <int B>
-FREIGHT_AMX_TARGET inline void amx_block(const int8_t* w, const int8_t* xp, int64_t K, int64_t first) {
+FREIGHT_AMX_TARGET inline void amx_block(const int8_t* w, const int8_t* xp, int64_t K, int64_t first,
+                                         const char* ahead) {
   const int64_t chunks = K / kAmxK, block_bytes = chunks * kAmxRows * kAmxK;
   _tile_zero(0);
   if constexpr (B > 1) _tile_zero(1);
   if constexpr (B > 2) _tile_zero(2);
   if constexpr (B > 3) _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
+    if (ahead)
+      for (int64_t line = 0; line < kAmxRows; ++line) _mm_prefetch(ahead + (c * kAmxRows + line) * 64, _MM_HINT_T1);
     _tile_loadd(4, w + c * kAmxK, K);
     const int8_t* b = xp + first * block_bytes + c * kAmxRows * kAmxK;
     _tile_loadd(5, b, kAmxK);
@@ -367,19 +373,18 @@ FREIGHT_AMX_TARGET void product_rows_amx(const int8_t* xp, const int8_t* w, int3
     }
   };
   for (int64_t n = n_begin; n < n_end; n += kAmxRows) {
-    const int64_t ahead = n + kAmxPrefetch * kAmxRows;
-    if (ahead < n_end) {  // the weight block two ahead streams into L2 while this one is multiplied
-      const char* p = reinterpret_cast<const char*>(w + ahead * K);
-      for (int64_t offset = 0; offset < kAmxRows * K; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
-    }
+    // the weight block two ahead streams into L2 while this one is multiplied (by the first activation blocks)
+    const int64_t ahead_n = n + kAmxPrefetch * kAmxRows;
+    const char* ahead = ahead_n < n_end ? reinterpret_cast<const char*>(w + ahead_n * K) : nullptr;
     const int8_t* wn = w + n * K;
     for (int64_t first = 0; first < m_blocks; first += kAmxBlocks) {
       const int blocks = static_cast<int>(std::min<int64_t>(kAmxBlocks, m_blocks - first));
+      const char* prefetch = first == 0 ? ahead : nullptr;
       switch (blocks) {
-        case 4: amx_block<4>(wn, xp, K, first); amx_store<4>(acc[current]); break;
-        case 3: amx_block<3>(wn, xp, K, first); amx_store<3>(acc[current]); break;
-        case 2: amx_block<2>(wn, xp, K, first); amx_store<2>(acc[current]); break;
-        default: amx_block<1>(wn, xp, K, first); amx_store<1>(acc[current]); break;
+        case 4: amx_block<4>(wn, xp, K, first, prefetch); amx_store<4>(acc[current]); break;
+        case 3: amx_block<3>(wn, xp, K, first, prefetch); amx_store<3>(acc[current]); break;
+        case 2: amx_block<2>(wn, xp, K, first, prefetch); amx_store<2>(acc[current]); break;
+        default: amx_block<1>(wn, xp, K, first, prefetch); amx_store<1>(acc[current]); break;
       }
       if (pending_n >= 0) write_pending();
       pending_n = n, pending_first = first, pending_blocks = blocks;

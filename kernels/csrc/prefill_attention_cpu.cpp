@@ -12,7 +12,7 @@
 //   values [tile][16 key pairs][d][2]  -> O[row, d]       accumulates over key pairs (prob pair broadcast)
 // Float32 accumulation throughout; probabilities are rounded to bf16 for the P.V product, as bf16 SDPA does.
 // The float32 kernel repacks only the keys (see its section).
-// On CPUs with AMX (Sapphire Rapids and later), head_dim 64 runs the same packed layouts through AMX tiles
+// On CPUs with AMX (Sapphire Rapids and later), bf16 runs the same packed layouts through AMX tiles
 // (tdpbf16ps: a 16 x 32 by 32 x 16 bf16 product per instruction, 8x vdpbf16ps's work); see its section.
 // head_dim 64, 128 and 256 (Gemma 2 and 3).
 //
@@ -274,13 +274,16 @@ void prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const Chun
 }
 
 // ---------------------------------------------------------------------------------------------------
-// AMX (bfloat16, head_dim 64): tasks of 16 query rows. All eight tiles are 16 rows x 64 bytes. Scores of a
-// 32-key tile: S (tmm0: keys 0-15, tmm1: keys 16-31) = Q (tmm2, one half of d at a time) x K (tmm3: the
-// packed keys read in place, 16 d-pairs x 16 keys). O (tmm4-7: d 0-15, ..., 48-63) stays in tiles for the
-// whole task, which AMX cannot rescale, so the softmax takes two passes over the scores: the row maxima
-// first, then exp2(s - max) rounded to bf16 (tmm0) times the values (tmm1: 16 key pairs x 16 d, read in
-// place) accumulates into O. The second QK^T costs four tile products per key tile, far less than the
-// rescaling it saves.
+// AMX (bfloat16, head_dim 64, 128 or 256): tasks of 16 query rows. All eight tiles are 16 rows x 64 bytes.
+// Scores of a 32-key tile: S (tmm0: keys 0-15, tmm1: keys 16-31) = Q (tmm2, 32 of d at a time) x K (tmm3:
+// the packed keys read in place, 16 d-pairs x 16 keys), summed over d. AMX cannot rescale accumulators, so
+// the softmax takes passes instead of running: the first computes every tile's scores into a per-thread
+// buffer (16 rows x the task's keys, in L2) and the rows' maxima, kept per lane (no horizontal max per tile;
+// the logits are monotone in the raw scores, so the maxima are taken raw); the second turns them into
+// exp2(logit - max) rounded to bf16, in a second buffer; the third multiplies those (tmm0) by the values
+// (tmm1: 16 key pairs x 16 d, read in place) into O, 64 of d at a time (tmm4-7), over every key tile (at
+// head_dim 64, one set of O tiles, tile by tile inside the second pass). Only the tiles at a row block's
+// diagonal or window edge are masked.
 #if defined(__GNUC__) && __GNUC__ >= 11 && defined(__x86_64__)
 #define FREIGHT_PREFILL_AMX 1
 #define FREIGHT_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
@@ -293,76 +296,109 @@ FREIGHT_AMX_TARGET void amx_begin() { _tile_loadconfig(&kTileConfig); }
 
 FREIGHT_AMX_TARGET void amx_end() { _tile_release(); }
 
-// s[16][32] = q[16][64] . keys of tile `tile` (unscaled), through tmm0-3.
-FREIGHT_AMX_TARGET inline void amx_scores(const uint16_t (*q)[64], const uint32_t* kt, float (*s)[kTile]) {
+// s[16][32] = q[16][D] . keys of tile `tile` (unscaled), through tmm0-3.
+template <int D>
+FREIGHT_AMX_TARGET inline void amx_scores(const uint16_t (*q)[D], const uint32_t* kt, float (*s)[kTile]) {
   constexpr int64_t k_stride = kTile * sizeof(uint32_t);  // one d-pair row of the packed keys
   _tile_zero(0);
   _tile_zero(1);
-  _tile_loadd(2, &q[0][0], 64 * sizeof(uint16_t));
-  _tile_loadd(3, kt, k_stride);
-  _tile_dpbf16ps(0, 2, 3);
-  _tile_loadd(3, kt + 16, k_stride);
-  _tile_dpbf16ps(1, 2, 3);
-  _tile_loadd(2, &q[0][32], 64 * sizeof(uint16_t));
-  _tile_loadd(3, kt + 16 * kTile, k_stride);
-  _tile_dpbf16ps(0, 2, 3);
-  _tile_loadd(3, kt + 16 * kTile + 16, k_stride);
-  _tile_dpbf16ps(1, 2, 3);
+  for (int c = 0; c < D / 32; ++c) {
+    _tile_loadd(2, &q[0][c * 32], D * sizeof(uint16_t));
+    _tile_loadd(3, kt + c * 16 * kTile, k_stride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_loadd(3, kt + c * 16 * kTile + 16, k_stride);
+    _tile_dpbf16ps(1, 2, 3);
+  }
   _tile_stored(0, &s[0][0], kTile * sizeof(float));
   _tile_stored(1, &s[0][16], kTile * sizeof(float));
 }
 
+// 2^t for t <= 0, for probabilities that are rounded to bfloat16 next: degree-4 polynomial on f in [-0.5, 0.5]
+// (relative error < 5e-5, far under bf16's 2^-9 rounding), no upper clamp (t is a logit minus its row max).
+FREIGHT_AMX_TARGET inline __m512 exp2_probs(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.618129107628477e-03f);  // (ln 2)^k / k!, k = 4 .. 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A 64-byte-aligned pointer into `buffer`, grown to hold `count` elements.
+template <typename T>
+T* aligned_scratch(std::vector<T>& buffer, size_t count) {
+  buffer.resize(count + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+}
+
+template <int D>
 FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int64_t* pos, int rows,
                                         const uint32_t* kp, const uint32_t* vp, const Scoring& scoring,
                                         uint16_t* const* out_rows) {
-  constexpr int D = 64, R = kRowsAmx;
+  constexpr int R = kRowsAmx;
+  thread_local std::vector<float> score_buffer;    // [tiles][R][kTile] raw scores
+  thread_local std::vector<uint16_t> prob_buffer;  // [tiles][R][kTile] bf16 probabilities
   alignas(64) uint16_t q[R][D];
-  alignas(64) float s[R][kTile];
-  alignas(64) uint16_t probs[R][kTile];
   alignas(64) float o[R][D];
-  float m[R], l[R];
+  alignas(64) float lanes[R][16];  // per-lane maxima of the raw scores, then lane sums of the probabilities
+  float m[R];
+  const __m512 hidden = _mm512_set1_ps(-1e30f);
   for (int r = 0; r < R; ++r) {
     if (r < rows) std::memcpy(q[r], q_rows[r], D * sizeof(uint16_t));
     else std::memset(q[r], 0, sizeof(q[r]));
-    m[r] = -1e30f;
-    l[r] = 0.f;
+    _mm512_store_ps(lanes[r], hidden);
   }
   int64_t first, last;
   key_range(pos, rows, scoring, first, last);
-  const int64_t first_tile = first / kTile, tiles = last / kTile + 1;
-  const __m512 hidden = _mm512_set1_ps(-1e30f);
-  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 1: row maxima of the visible logits
-    amx_scores(q, kp + tile * (D / 2) * kTile, s);
+  // tiles in [full_from, full_to) are visible to every row whole: no masks there
+  int64_t min_pos = INT64_MAX, max_first = 0;
+  for (int r = 0; r < rows; ++r) {
+    min_pos = std::min(min_pos, pos[r]);
+    max_first = std::max(max_first, scoring.first_key(pos[r]));
+  }
+  const int64_t first_tile = first / kTile, tiles = last / kTile + 1, count = tiles - first_tile;
+  const int64_t full_from = (max_first + kTile - 1) / kTile, full_to = (min_pos + 1) / kTile;
+  const auto full = [&](int64_t tile) { return tile >= full_from && tile < full_to; };
+  float* const scores = aligned_scratch(score_buffer, size_t(count * R * kTile));
+  uint16_t* const probs = aligned_scratch(prob_buffer, size_t(count * R * kTile));
+  const auto scores_of = [&](int64_t tile) { return reinterpret_cast<float (*)[kTile]>(scores + (tile - first_tile) * R * kTile); };
+  const auto probs_of = [&](int64_t tile) { return reinterpret_cast<uint16_t (*)[kTile]>(probs + (tile - first_tile) * R * kTile); };
+
+  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 1: scores, and the rows' maxima
+    float (*s)[kTile] = scores_of(tile);
+    amx_scores<D>(q, kp + tile * (D / 2) * kTile, s);
+    if (full(tile)) {
+      for (int r = 0; r < rows; ++r)
+        _mm512_store_ps(lanes[r], _mm512_max_ps(_mm512_load_ps(lanes[r]),
+                                                _mm512_max_ps(_mm512_load_ps(s[r]), _mm512_load_ps(s[r] + 16))));
+      continue;
+    }
     for (int r = 0; r < rows; ++r) {
       __mmask16 m0, m1;
       tile_masks(scoring.first_key(pos[r]), pos[r], tile * kTile, m0, m1);
-      const __m512 x0 = _mm512_mask_mov_ps(hidden, m0, scoring.logits(_mm512_load_ps(s[r])));
-      const __m512 x1 = _mm512_mask_mov_ps(hidden, m1, scoring.logits(_mm512_load_ps(s[r] + 16)));
-      m[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const __m512 x0 = _mm512_mask_mov_ps(hidden, m0, _mm512_load_ps(s[r]));
+      const __m512 x1 = _mm512_mask_mov_ps(hidden, m1, _mm512_load_ps(s[r] + 16));
+      _mm512_store_ps(lanes[r], _mm512_max_ps(_mm512_load_ps(lanes[r]), _mm512_max_ps(x0, x1)));
     }
   }
-  std::memset(probs, 0, sizeof(probs));  // padding rows stay zero
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 2: probabilities times values
-    amx_scores(q, kp + tile * (D / 2) * kTile, s);
-    for (int r = 0; r < rows; ++r) {
-      __mmask16 m0, m1;
-      tile_masks(scoring.first_key(pos[r]), pos[r], tile * kTile, m0, m1);
-      const __m512 mv = _mm512_set1_ps(m[r]);
-      const __m512 x0 = _mm512_mask_mov_ps(hidden, m0, scoring.logits(_mm512_load_ps(s[r])));
-      const __m512 x1 = _mm512_mask_mov_ps(hidden, m1, scoring.logits(_mm512_load_ps(s[r] + 16)));
-      const __m512 p0 = _mm512_maskz_mov_ps(m0, freight::exp2_16(_mm512_sub_ps(x0, mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(m1, freight::exp2_16(_mm512_sub_ps(x1, mv)));
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p0));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r] + 16), (__m256i)_mm512_cvtneps_pbh(p1));
-    }
-    const uint32_t* vt = vp + tile * (kTile / 2) * D;
-    constexpr int64_t v_stride = D * sizeof(uint32_t);  // one key-pair row of the packed values
-    _tile_loadd(0, &probs[0][0], kTile * sizeof(uint16_t));
+  for (int r = 0; r < rows; ++r) {
+    m[r] = _mm512_reduce_max_ps(scoring.logits(_mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(lanes[r])))));
+    _mm512_store_ps(lanes[r], _mm512_setzero_ps());  // now the probabilities' lane sums
+  }
+  // a row's logits minus its max (one FMA without a soft cap)
+  const __m512 scale = _mm512_set1_ps(scoring.scale_log2);
+  const bool capped = scoring.capped();
+  const auto shifted = [&](__m512 raw, __m512 mv) {
+    return capped ? _mm512_sub_ps(scoring.logits(raw), mv) : _mm512_fmsub_ps(raw, scale, mv);
+  };
+  constexpr int64_t v_stride = D * sizeof(uint32_t);  // one key-pair row of the packed values
+  // P (tmm0) x the values of `tile`, d columns [c0, c0 + 64), into O (tmm4-7)
+  const auto multiply_values = [&](int64_t tile, int c0) FREIGHT_AMX_TARGET {
+    const uint32_t* vt = vp + tile * (kTile / 2) * D + c0;
+    _tile_loadd(0, &probs_of(tile)[0][0], kTile * sizeof(uint16_t));
     _tile_loadd(1, vt, v_stride);
     _tile_dpbf16ps(4, 0, 1);
     _tile_loadd(1, vt + 16, v_stride);
@@ -371,13 +407,48 @@ FREIGHT_AMX_TARGET void attend_rows_amx(const uint16_t* const* q_rows, const int
     _tile_dpbf16ps(6, 0, 1);
     _tile_loadd(1, vt + 48, v_stride);
     _tile_dpbf16ps(7, 0, 1);
+  };
+  const auto zero_o = []() FREIGHT_AMX_TARGET {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  };
+  const auto store_o = [&](int c0) FREIGHT_AMX_TARGET {
+    _tile_stored(4, &o[0][c0], D * sizeof(float));
+    _tile_stored(5, &o[0][c0 + 16], D * sizeof(float));
+    _tile_stored(6, &o[0][c0 + 32], D * sizeof(float));
+    _tile_stored(7, &o[0][c0 + 48], D * sizeof(float));
+  };
+  if constexpr (D == 64) zero_o();  // one set of O tiles: passes 2 and 3 run together, tile by tile
+  for (int64_t tile = first_tile; tile < tiles; ++tile) {  // pass 2: probabilities, rounded to bf16
+    float (*s)[kTile] = scores_of(tile);
+    uint16_t (*p)[kTile] = probs_of(tile);
+    const bool masked = !full(tile);
+    for (int r = 0; r < rows; ++r) {
+      __mmask16 m0 = 0xFFFF, m1 = 0xFFFF;
+      if (masked) tile_masks(scoring.first_key(pos[r]), pos[r], tile * kTile, m0, m1);
+      const __m512 mv = _mm512_set1_ps(m[r]);
+      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_probs(shifted(_mm512_load_ps(s[r]), mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_probs(shifted(_mm512_load_ps(s[r] + 16), mv)));
+      _mm512_store_ps(lanes[r], _mm512_add_ps(_mm512_load_ps(lanes[r]), _mm512_add_ps(p0, p1)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p[r]), (__m256i)_mm512_cvtneps_pbh(p0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+    }
+    for (int r = rows; r < R; ++r) std::memset(p[r], 0, sizeof(p[r]));  // padding rows weigh nothing
+    if constexpr (D == 64) multiply_values(tile, 0);
   }
-  _tile_stored(4, &o[0][0], D * sizeof(float));
-  _tile_stored(5, &o[0][16], D * sizeof(float));
-  _tile_stored(6, &o[0][32], D * sizeof(float));
-  _tile_stored(7, &o[0][48], D * sizeof(float));
+  if constexpr (D == 64) {
+    store_o(0);
+  } else {
+    for (int c0 = 0; c0 < D; c0 += 64) {  // pass 3: probabilities times values, 64 of d at a time
+      zero_o();
+      for (int64_t tile = first_tile; tile < tiles; ++tile) multiply_values(tile, c0);
+      store_o(c0);
+    }
+  }
   for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(lanes[r])));
     for (int c = 0; c < D / 16; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r] + c * 16),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[r] + c * 16), inv)));
@@ -664,7 +735,7 @@ void check_options(int64_t window, double soft_cap) {
 
 // query [T, H, D], key/value [TK, KVH, D], out [T, H, D]: bfloat16, contiguous; the chunks as in Chunks. Rows
 // of out outside every chunk are left as they are.
-// amx: run head_dim 64 through AMX tiles (available_amx() must hold).
+// amx: run through AMX tiles (available_amx() must hold).
 // window: 0, or the keys a query sees (sliding window, itself included); soft_cap: 0, or c > 0 for scores
 // c * tanh(score / c).
 void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor q_start,
@@ -686,10 +757,13 @@ void prefill_attention_bf16(torch::Tensor query, torch::Tensor key, torch::Tenso
   const auto* k = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
   const auto* v = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (D == 64 && amx) {
+  if (amx && (D == 64 || D == 128 || D == 256)) {
 #ifdef FREIGHT_PREFILL_AMX
     TORCH_CHECK(available_amx(), "AMX is not usable here");
-    prefill<64, kRowsAmx>(q, k, v, chunks, H, KVH, scoring, o, attend_rows_amx, amx_begin, amx_end);
+    if (D == 64) prefill<64, kRowsAmx>(q, k, v, chunks, H, KVH, scoring, o, attend_rows_amx<64>, amx_begin, amx_end);
+    else if (D == 128)
+      prefill<128, kRowsAmx>(q, k, v, chunks, H, KVH, scoring, o, attend_rows_amx<128>, amx_begin, amx_end);
+    else prefill<256, kRowsAmx>(q, k, v, chunks, H, KVH, scoring, o, attend_rows_amx<256>, amx_begin, amx_end);
 #else
     TORCH_CHECK(false, "built without AMX support");
 #endif

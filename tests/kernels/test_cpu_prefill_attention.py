@@ -19,8 +19,8 @@ needs_bf16 = pytest.mark.skipif(
 )
 needs_f32 = pytest.mark.skipif(not cpu_prefill_attention.available(torch.float32), reason="needs AVX2 + FMA")
 needs_amx = pytest.mark.skipif(not cpu_prefill_attention.amx_enabled(), reason="needs AMX-BF16")
-# (query dtype, AMX): bfloat16 head_dim 64 runs on AMX tiles where the CPU has them, else on AVX-512 BF16;
-# both are tested there
+# (query dtype, AMX): bfloat16 runs on AMX tiles where the CPU has them, else on AVX-512 BF16; both are
+# tested there
 KERNELS = [
     pytest.param(torch.bfloat16, False, id="bf16", marks=needs_bf16),
     pytest.param(torch.bfloat16, True, id="bf16-amx", marks=[needs_bf16, needs_amx]),
@@ -310,12 +310,12 @@ def test_soft_cap_matches_reference(dtype, amx, soft_cap, window):
     torch.testing.assert_close(out, want, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (8, 4)], ids=["gemma3-270m", "gqa2"])
 @pytest.mark.parametrize(("window", "soft_cap"), [(0, 0.0), (37, 0.0), (0, 30.0), (37, 30.0)])
-def test_head_dim_256(dtype, heads, kv_heads, window, soft_cap):
+def test_head_dim_256(dtype, amx, heads, kv_heads, window, soft_cap):
     """Gemma 3 (270M: 4 heads, 1 kv head; sliding-window layers) and Gemma 2 (soft cap) use head_dim 256."""
-    out, want = attend_windowed(CHUNK_CONTEXTS, CHUNK_Q_LENS, heads, kv_heads, 256, 51, dtype, window=window,
+    out, want = attend_windowed(CHUNK_CONTEXTS, CHUNK_Q_LENS, heads, kv_heads, 256, 51, dtype, amx, window=window,
                                 soft_cap=soft_cap, score_gain=2.0)  # fmt: skip
     torch.testing.assert_close(out, want, **tolerance(dtype))
 

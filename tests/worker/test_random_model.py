@@ -86,3 +86,6 @@ def test_tiny_random_model_runs_the_bench_with_a_breakdown(
     assert sum(shares[part] for part in ("attention", "mlp", "projections", "lm_head", "rest")) == pytest.approx(
         1.0, abs=1e-3
     )
+    prefill = freight["prefill_breakdown"]
+    assert prefill["prefill_steps"] > 0 and prefill["prefill_seconds"] > 0
+    assert all(prefill["seconds"][part] > 0 for part in ("attention", "mlp", "projections"))

@@ -1,4 +1,5 @@
-"""Where a decode step's time goes: attention, MLP/experts, the q/k/v and o projections, the rest.
+"""Where a step's time goes: attention, MLP/experts, the q/k/v and o projections, the LM head, the rest,
+for decode steps and for steps that run a prefill chunk, each summed apart.
 
 Installed by the bench only (`freight bench --breakdown`), on one loaded LLM: timing wrappers around the
 engine's step, the model's forward, the KV cache's `attend` and each layer's projections and MLP (or MoE
@@ -6,7 +7,8 @@ block). The engine's own code path is untouched. On CPU every op is synchronous,
 a call is its cost; the wrappers add a few perf_counter calls per layer (microseconds against steps of
 tens of milliseconds).
 
-A step is a decode step when it runs no prefill chunk (speculative drafts verified in it count as decode).
+A step is a decode step when it runs no prefill chunk (speculative drafts verified in it count as decode);
+every other step is a prefill step (its decode rows included: they ride in the same forward).
 MLP time runs from the gate/up product's start to the down product's end, so it holds the activation;
 `lm_head` is the head's product (its logits, or the fused greedy picks); `rest` is the step's time outside
 these: embeddings, norms, rope, sampling, scheduling.
@@ -19,29 +21,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+PARTS = ("step", "forward", "attention", "mlp", "projections", "lm_head")
+
+
+def _summary(seconds: dict[str, float], steps: int, prefix: str) -> dict[str, Any]:
+    step = max(seconds["step"], 1e-12)
+    parts = ("attention", "mlp", "projections", "lm_head")
+    shares = {name: seconds[name] for name in parts}
+    shares["rest"] = seconds["step"] - sum(shares.values())
+    shares["outside_forward"] = seconds["step"] - seconds["forward"]
+    return {
+        f"{prefix}_steps": steps,
+        f"{prefix}_seconds": round(seconds["step"], 3),
+        "shares": {name: round(value / step, 4) for name, value in shares.items()},
+        "seconds": {name: round(value, 3) for name, value in shares.items()},
+    }
+
+
 @dataclass
 class Breakdown:
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("step", "forward", "attention", "mlp", "projections", "lm_head"), 0.0))  # fmt: skip
-    steps: int = 0
+    decode_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    prefill_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    steps: int = 0  # decode steps
+    prefill_steps: int = 0
     decode: bool = False  # the step being timed is a decode step
+    ran: bool = False  # the step being timed ran the model
     _mlp_started: float = 0.0
 
     def add(self, part: str, seconds: float) -> None:
-        if self.decode:
-            self.seconds[part] += seconds
+        (self.decode_seconds if self.decode else self.prefill_seconds)[part] += seconds
 
-    def as_dict(self) -> dict[str, Any]:
-        s = self.seconds
-        step = max(s["step"], 1e-12)
-        rest = s["step"] - s["attention"] - s["mlp"] - s["projections"] - s["lm_head"]
-        shares = {"attention": s["attention"], "mlp": s["mlp"], "projections": s["projections"],
-                  "lm_head": s["lm_head"], "rest": rest, "outside_forward": s["step"] - s["forward"]}  # fmt: skip
-        return {
-            "decode_steps": self.steps,
-            "decode_seconds": round(s["step"], 3),
-            "shares": {name: round(value / step, 4) for name, value in shares.items()},
-        }
+    def as_dict(self) -> dict[str, Any]:  # the decode steps' summary
+        return _summary(self.decode_seconds, self.steps, "decode")
+
+    def prefill_dict(self) -> dict[str, Any]:  # the same for the steps that run a prefill chunk
+        return _summary(self.prefill_seconds, self.prefill_steps, "prefill")
 
 
 class _Timed:
@@ -91,16 +105,21 @@ def install(llm: Any) -> Breakdown:
     step, forward, attend = engine.step, model.forward, kv_cache.attend
 
     def timed_step() -> Any:
-        breakdown.decode = False
+        breakdown.decode, breakdown.ran = False, False
         started = time.perf_counter()
         result = step()
+        if not breakdown.ran:  # nothing to run (all rows waiting): not a step of either kind
+            return result
+        breakdown.add("step", time.perf_counter() - started)
         if breakdown.decode:
-            breakdown.seconds["step"] += time.perf_counter() - started
             breakdown.steps += 1
+        else:
+            breakdown.prefill_steps += 1
         return result
 
     def timed_forward(input_ids: Any, positions: Any, meta: Any, cache: Any) -> Any:
         breakdown.decode = meta.prefill_block_tables is None and meta.num_decode_tokens > 0
+        breakdown.ran = True
         started = time.perf_counter()
         try:
             return forward(input_ids, positions, meta, cache)

@@ -153,6 +153,7 @@ def run_freight(
     extra = {"plan": llm.engine.plan.to_json(), "engine_stats": llm.stats.as_dict()}
     if timers is not None:
         extra["decode_breakdown"] = timers.as_dict()
+        extra["prefill_breakdown"] = timers.prefill_dict()
     return SystemResult(system, workload.prompt_tokens, outputs, elapsed, load_s, extra)
 
 

@@ -60,7 +60,7 @@ class ExecutionPlan:
         # the same test the dispatch makes (kernels/prefill_attention.py), on a one-token stand-in
         query = torch.empty(1, 1, self.head_dim, dtype=DTYPES[self.scheme.dtype])
         if self._compiled("prefill") and cpu_prefill_attention.supports(query, query):
-            amx = self.scheme.dtype == "bfloat16" and self.head_dim == 64 and cpu_prefill_attention.amx_enabled()
+            amx = self.scheme.dtype == "bfloat16" and cpu_prefill_attention.amx_enabled()
             unit = "AMX tiles" if amx else self.tier
             return f"compiled flash attention ({unit}, {self.scheme.dtype}), cached prefixes included"
         return "torch SDPA per sequence"

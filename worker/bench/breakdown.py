@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 PARTS = ("step", "forward", "attention", "mlp", "projections", "lm_head")
 
 

@@ -184,8 +184,10 @@ def linear_cases(device: str, quick: bool) -> list[dict]:
 def ceiling_cases(device: str, quick: bool) -> list[dict]:
     """The tier's matrix-product ceiling at a 1.7B model's layer shapes (hidden 2048, MLP 8192): giga
     multiply-adds per second of each INT8 product Freight can run (torch._int_mm's s8 x s8, oneDNN's u8 x s8
-    qlinear with its activation quantization) and of bfloat16/float32 matmul, at prefill-sized M. The largest
-    INT8 rate is the ceiling a model's achieved rate is compared with (docs/benchmarks.md)."""
+    qlinear with its activation quantization, and where the CPU has AMX-INT8 Freight's own tile GEMM with its
+    quantization and epilogue) and of bfloat16/float32 matmul, at prefill-sized M. The largest INT8 rate is
+    the ceiling a model's achieved rate is compared with (docs/benchmarks.md)."""
+    from kernels import cpu_int8_gemm_amx
     from kernels.cpu_int8_linear import int8_linear_onednn, onednn_available, prepack_onednn
 
     cases = []
@@ -195,6 +197,8 @@ def ceiling_cases(device: str, quick: bool) -> list[dict]:
         w_q, _ = quantize_weight_per_channel(w)  # [N, K]
         w_kn = w_q.t()
         packed = prepack_onednn(w) if device == "cpu" and onednn_available() else None
+        amx = cpu_int8_gemm_amx.pack(w_q) if device == "cpu" and cpu_int8_gemm_amx.available() else None
+        w_scale = torch.rand(N) * 0.01
         for M in (64, 256, 1024):
             x = torch.randn(M, K, device=device)
             x_q = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=device)
@@ -203,6 +207,9 @@ def ceiling_cases(device: str, quick: bool) -> list[dict]:
             case["int_mm_gmacs"] = gmac / (time_ms(device, reps, torch._int_mm, x_q, w_kn) / 1e3)
             if packed is not None:
                 case["onednn_gmacs"] = gmac / (time_ms(device, reps, int8_linear_onednn, x, packed) / 1e3)
+            if amx is not None:
+                amx_linear = cpu_int8_gemm_amx.int8_linear_amx
+                case["amx_gmacs"] = gmac / (time_ms(device, reps, amx_linear, x.bfloat16(), amx, w_scale) / 1e3)
             case["bf16_gmacs"] = gmac / (time_ms(device, reps, torch.matmul, x.bfloat16(), w.bfloat16().t()) / 1e3)
             case["fp32_gmacs"] = gmac / (time_ms(device, reps, torch.matmul, x, w.t()) / 1e3)
             cases.append({k: round(v, 1) if isinstance(v, float) else v for k, v in case.items()})

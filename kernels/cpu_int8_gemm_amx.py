@@ -91,21 +91,40 @@ def pack_gated(w_q: torch.Tensor) -> AmxWeight:
     return pack(interleaved)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations already quantized per token (e.g. by norm.rms_norm_quantize_cpu, fused with the norm that
+    makes them): the codes and scales the GEMM would have made of the float rows, and those rows' dtype."""
+
+    codes: torch.Tensor  # [M, K] int8
+    scales: torch.Tensor  # [M] float32
+    dtype: torch.dtype  # the float rows' dtype: the default output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
 def _quantized(
-    x: torch.Tensor, w: AmxWeight, out_dtype: torch.dtype | None
+    x: torch.Tensor | QuantizedRows, w: AmxWeight, out_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    check_float_tensor("x", x, 2)
-    if x.shape[1] != w.K:
-        raise ValueError(f"x has K = {x.shape[1]} columns but the weight is [N, K] = [{w.N}, {w.K}]")
-    out_dtype = resolve_out_dtype(x, out_dtype)
+    if isinstance(x, QuantizedRows):
+        if x.codes.dtype != torch.int8 or x.codes.dim() != 2 or x.scales.shape != (x.codes.shape[0],):
+            raise ValueError(f"codes must be [M, K] int8 with [M] scales, got {x.codes.dtype} {tuple(x.codes.shape)}")
+        x_q, x_scale, out_dtype = x.codes.contiguous(), x.scales.contiguous(), out_dtype or x.dtype
+    else:
+        check_float_tensor("x", x, 2)
+        out_dtype = resolve_out_dtype(x, out_dtype)
+        x_q, x_scale = cpu_int8_linear.quantize_per_token_cpu(x)
+    if x_q.shape[1] != w.K:
+        raise ValueError(f"x has K = {x_q.shape[1]} columns but the weight is [N, K] = [{w.N}, {w.K}]")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the AMX epilogue writes float32 or bfloat16, not {out_dtype}")
-    x_q, x_scale = cpu_int8_linear.quantize_per_token_cpu(x)
     return x_q, x_scale, out_dtype
 
 
 def int8_linear_amx(
-    x: torch.Tensor,  # [M, K] float
+    x: torch.Tensor | QuantizedRows,  # [M, K] float, or its codes and scales
     w: AmxWeight,
     w_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
@@ -115,7 +134,7 @@ def int8_linear_amx(
     """W8A8 on the tiles: the same per-token quantization and, applied to each block of products while it
     is in L1, the same epilogue as the other INT8 paths (csrc/int8_epilogue_avx512.h)."""
     x_q, x_scale, out_dtype = _quantized(x, w, out_dtype)
-    M = x.shape[0]
+    M = x_q.shape[0]
     if residual is not None and tuple(residual.shape) != (M, w.N):
         raise ValueError(f"residual must have shape [{M}, {w.N}], got {tuple(residual.shape)}")
     out = torch.empty((M, w.N), dtype=out_dtype)
@@ -128,12 +147,12 @@ def int8_linear_amx(
 
 
 def int8_linear_silu_mul_amx(
-    x: torch.Tensor,  # [M, K] float
+    x: torch.Tensor | QuantizedRows,  # [M, K] float, or its codes and scales
     w: AmxWeight,  # pack_gated() of the [2 * I, K] gate-then-up codes
     w_scale: torch.Tensor,  # [2 * I] float32: gate scales, then up scales
     out_dtype: torch.dtype | None = None,  # default x.dtype
 ) -> torch.Tensor:  # [M, I] = silu(x @ w_gate.T) * (x @ w_up.T), in out_dtype
     x_q, x_scale, out_dtype = _quantized(x, w, out_dtype)
-    out = torch.empty((x.shape[0], w.N // 2), dtype=out_dtype)
+    out = torch.empty((x_q.shape[0], w.N // 2), dtype=out_dtype)
     load_extension().silu_mul(x_q, w.packed, x_scale, w_scale.contiguous(), out)
     return out

@@ -39,3 +39,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x, compiled_supports=lambda: x.dtype == torch.bfloat16 and cpu_int8_linear.available()
     )
     return rms_norm_cpu(x, weight, eps) if backend == "compiled" else rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_quantize_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, hidden] bfloat16 on CPU -> (codes [M, hidden] int8, scales [M] float32): exactly
+    quantize_per_token_cpu(rms_norm(x, weight, eps)), in one compiled pass that never writes the normalized rows
+    (a W8A8 product's input). bfloat16 only: there rms_norm itself is the compiled row function this reuses."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not cpu_int8_linear.available():
+        raise ValueError(f"needs a [M, hidden] bfloat16 CPU tensor and the compiled kernels, got {x.dtype} {x.device}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty((x.shape[0],), dtype=torch.float32)
+    cpu_int8_linear.load_extension().rms_norm_quantize(x, weight.contiguous(), eps, codes, scales)
+    return codes, scales

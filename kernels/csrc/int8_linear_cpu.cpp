@@ -5,6 +5,7 @@
 //   dequantize_rows: int32 or float32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
 //   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats;
 //   rms_norm: LlamaRMSNorm in one pass per row (the torch ops are six passes and two dtype copies);
+//   rms_norm_quantize: rms_norm then quantize_rows in one pass, for a W8A8 product's input;
 //   write_kv_int8: a step's keys or values -> their paged INT8 cache slots, quantized per (token, kv head)
 //     the same way, with the scale stored beside them (kernels/kv_cache.py).
 // Unfused, each of these is four to six full passes over an [M, N] tensor, which at prefill sizes cost
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "avx2_math.h"
 #include "avx512_math.h"
@@ -259,18 +261,22 @@ template <typename T>
 constexpr bool kVectorized = false;
 #endif
 
+// One row's codes and scale, by this build's row function (the one every quantizing kernel here uses).
+template <typename InT, typename QT>
+inline void quantize_one_row(const InT* x, QT* q, float* scale, int64_t cols) {
+#ifdef FREIGHT_SIMD
+  if constexpr (kVectorized<InT>) {
+    quantize_row(x, q, scale, cols);
+    return;
+  }
+#endif
+  quantize_row_generic(x, q, scale, cols);
+}
+
 template <typename InT, typename QT>
 void quantize_rows_kernel(const InT* x, QT* q, float* scales, int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-#ifdef FREIGHT_SIMD
-      if constexpr (kVectorized<InT>) {
-        quantize_row(x + r * cols, q + r * cols, scales + r, cols);
-        continue;
-      }
-#endif
-      quantize_row_generic(x + r * cols, q + r * cols, scales + r, cols);
-    }
+    for (int64_t r = begin; r < end; ++r) quantize_one_row(x + r * cols, q + r * cols, scales + r, cols);
   });
 }
 
@@ -335,19 +341,39 @@ void write_kv_int8_kernel(const InT* src, int64_t token_stride, int64_t head_str
   });
 }
 
+// One row of RMSNorm, by this build's row function (the one both norm kernels here use).
+template <typename T>
+inline void norm_one_row(const T* x, const T* weight, float eps, T* out, int64_t cols) {
+#ifdef FREIGHT_SIMD
+  if constexpr (kVectorized<T>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    rms_norm_row(x, weight, eps, out, cols);
+    return;
+#endif
+  }
+#endif
+  rms_norm_row_generic(x, weight, eps, out, cols);
+}
+
 template <typename T>
 void rms_norm_kernel(const T* x, const T* weight, float eps, T* out, int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_one_row(x + r * cols, weight, eps, out + r * cols, cols);
+  });
+}
+
+// RMSNorm then per-token quantization, one pass over the rows: each normalized row is made in an L1 buffer
+// by norm_one_row (rounded to T, as rms_norm writes it) and quantized from there by quantize_one_row, so the
+// codes and scales are those of quantize_rows(rms_norm(x)), bit for bit, without writing and reading back the
+// normalized [rows, cols] tensor.
+template <typename T>
+void rms_norm_quantize_kernel(const T* x, const T* weight, float eps, int8_t* q, float* scales, int64_t rows,
+                              int64_t cols) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> normed(cols);
     for (int64_t r = begin; r < end; ++r) {
-#ifdef FREIGHT_SIMD
-      if constexpr (kVectorized<T>) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-        rms_norm_row(x + r * cols, weight, eps, out + r * cols, cols);
-        continue;
-#endif
-      }
-#endif
-      rms_norm_row_generic(x + r * cols, weight, eps, out + r * cols, cols);
+      norm_one_row(x + r * cols, weight, eps, normed.data(), cols);
+      quantize_one_row(normed.data(), q + r * cols, scales + r, cols);
     }
   });
 }
@@ -549,6 +575,22 @@ void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor o
   });
 }
 
+// x [M, H] float32 or bfloat16 (contiguous), weight [H] of x's dtype -> q [M, H] int8 and scale [M] float32:
+// the codes and scales of quantize_rows(rms_norm(x, weight, eps)), in one pass.
+void rms_norm_quantize(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor q, torch::Tensor scale) {
+  check_rows(x, "x");
+  check_rows(q, "q");
+  TORCH_CHECK(q.sizes() == x.sizes() && q.scalar_type() == at::kChar, "q must be an int8 tensor of x's shape");
+  check_vector(scale, x.size(0), "scale");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [H] vector of x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm_quantize", [&] {
+    rms_norm_quantize_kernel(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), float(eps),
+                             q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), x.size(1));
+  });
+}
+
 // x [T, heads, head_dim] bfloat16 (head_dim contiguous, heads side by side; rows may be strided, e.g. the
 // query and key heads of a fused qkv output), cos and ssin [T, rot] bfloat16 contiguous (rot even, <= head_dim):
 // rotated in place; dims past rot are left as they are.
@@ -570,5 +612,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_silu_mul", &dequantize_silu_mul);
   m.def("write_kv_int8", &write_kv_int8);
   m.def("rms_norm", &rms_norm);
+  m.def("rms_norm_quantize", &rms_norm_quantize);
   m.def("rope", &rope);
 }

@@ -93,3 +93,20 @@ def test_turning_amx_off_takes_the_backend_out_of_the_measurement(env):
                          timeout=300, check=True)  # fmt: skip
     available, names = run.stdout.strip().split(" ", 1)
     assert available == "False" and "/amx" not in names and "bfloat16+int8/int_mm" in names
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "silu_mul"])
+def test_prequantized_rows_give_the_float_rows_outputs(gated):
+    """The engine hands the GEMM codes made by the fused norm (QuantizedRows): the same outputs as from the
+    float rows it would have quantized itself."""
+    x = torch.randn(40, 576, generator=generator(7)).bfloat16()
+    w_q, w_scale = codes(64, 576, seed=8), torch.rand(64, generator=generator(9)) * 0.01
+    x_q, x_scale = cpu_int8_gemm_amx.cpu_int8_linear.quantize_per_token_cpu(x)
+    rows = cpu_int8_gemm_amx.QuantizedRows(x_q, x_scale, x.dtype)
+    if gated:
+        w = cpu_int8_gemm_amx.pack_gated(w_q)
+        got, want = (cpu_int8_gemm_amx.int8_linear_silu_mul_amx(a, w, w_scale) for a in (rows, x))
+    else:
+        w = cpu_int8_gemm_amx.pack(w_q)
+        got, want = (cpu_int8_gemm_amx.int8_linear_amx(a, w, w_scale) for a in (rows, x))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -1,5 +1,5 @@
 """RMSNorm: the compiled CPU pass for bfloat16 rows against the torch ops (LlamaRMSNorm's order), the
-dispatch, and the argument checks."""
+dispatch, the argument checks, and the pass fused with per-token quantization against the two unfused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_int8_linear, rms_norm
-from kernels.norm import rms_norm_cpu, rms_norm_torch
+from kernels.norm import rms_norm_cpu, rms_norm_quantize_cpu, rms_norm_torch
 
 needs_extension = pytest.mark.skipif(not cpu_int8_linear.available(), reason="needs a C++ toolchain")
 
@@ -56,3 +56,22 @@ def test_bad_weights_are_refused():
         rms_norm(x, weight[:8], 1e-6)
     with pytest.raises(ValueError, match="x's dtype"):
         rms_norm(x, weight.bfloat16(), 1e-6)
+
+
+@needs_extension
+@pytest.mark.parametrize("rows", [1, 33, 300])
+@pytest.mark.parametrize("hidden", [576, 640, 37], ids=["576", "640", "tail"])
+def test_fused_norm_and_quantization_give_the_unfused_codes_bit_for_bit(rows, hidden):
+    x, weight = random_rows(rows, hidden, torch.bfloat16, seed=rows + hidden)
+    codes, scales = rms_norm_quantize_cpu(x, weight, 1e-6)
+    want_codes, want_scales = cpu_int8_linear.quantize_per_token_cpu(rms_norm(x, weight, 1e-6))
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
+@needs_extension
+def test_fused_norm_and_quantization_refuse_what_they_do_not_fuse():
+    x, weight = random_rows(4, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="bfloat16"):
+        rms_norm_quantize_cpu(x, weight, 1e-6)  # float32 rms_norm is torch's, in another order
+    with pytest.raises(ValueError, match=r"weight must be \[64\]"):
+        rms_norm_quantize_cpu(x.bfloat16(), weight[:32].bfloat16(), 1e-6)

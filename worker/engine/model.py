@@ -141,8 +141,7 @@ class DecoderModel:
             hidden = hidden * self.embed_scale
         tables = {id(rope): rope.tables(positions) for rope in self.ropes}  # gathered once per step
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.attn_norm, eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(layer.qkv.normed(hidden, layer.attn_norm, eps))
             q, k = self._rotated(layer, qkv, tables[id(layer.rope)])
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = kv_cache.attend(i, q, k, v, meta, self.scale).reshape(-1, self.q_size)
@@ -150,10 +149,11 @@ class DecoderModel:
                 hidden = layer.o_proj(attn, residual=hidden)
             else:
                 hidden = hidden + rms_norm(layer.o_proj(attn), layer.attn_out_norm, eps)
-            x = rms_norm(hidden, layer.mlp_norm, eps)
             if layer.moe is not None:  # sparse layer (no family has both experts and sandwich norms)
-                hidden = layer.moe(x, residual=hidden)
-            elif layer.mlp_out_norm is None:
+                hidden = layer.moe(rms_norm(hidden, layer.mlp_norm, eps), residual=hidden)
+                continue
+            x = layer.gate_up.normed(hidden, layer.mlp_norm, eps)  # the codes themselves on the AMX path
+            if layer.mlp_out_norm is None:
                 hidden = layer.down(gated(layer.gate_up, x, cfg.hidden_act), residual=hidden)
             else:
                 hidden = hidden + rms_norm(layer.down(gated(layer.gate_up, x, cfg.hidden_act)), layer.mlp_out_norm, eps)

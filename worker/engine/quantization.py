@@ -15,8 +15,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch
+from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch, rms_norm
+from kernels.cpu_int8_gemm_amx import QuantizedRows
 from kernels.int8_linear import int8_linear, int8_linear_silu_mul
+from kernels.norm import rms_norm_quantize_cpu
 from kernels.quantize import quantize_weight_per_channel
 
 Int8Backend = Literal["int_mm", "onednn", "amx", "triton"]
@@ -34,7 +36,15 @@ def gated(linear: Linear, x: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-class FloatLinear:
+class _NormedInput:
+    """`normed`: the layer's input made from the residual stream by its RMSNorm. Plain here; the AMX layer
+    fuses the norm with its activation quantization."""
+
+    def normed(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | QuantizedRows:
+        return rms_norm(hidden, weight, eps)
+
+
+class FloatLinear(_NormedInput):
     """A float projection. With invariant_rows = B > 0 the product runs in blocks of exactly B rows (the last
     one padded), so a row's result does not depend on how many rows share the step: CPU GEMM libraries
     round a row differently at different row counts (MKL's sgemm: row 0 of X[:M] @ W.T differs bitwise
@@ -105,7 +115,7 @@ class _SmallBatch:
         return x.shape[0] <= self.rows
 
 
-class _Int8Layer:
+class _Int8Layer(_NormedInput):
     """What the INT8 backends share: the small-batch path for few rows, the backend's GEMM (`_product`,
     `_product_silu_mul`) for more, over the same codes and scales, so a row's outputs do not depend on which
     ran. SiLU-and-multiply is fused unless the layer has a bias (or the backend cannot fuse it here)."""
@@ -233,6 +243,14 @@ class AmxInt8Linear(_Int8Layer):
 
     def _fuses_silu_mul(self) -> bool:
         return self.gated
+
+    def normed(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | QuantizedRows:
+        """Rows the tile GEMM takes get their codes straight from the norm (the same codes, one pass fewer over
+        the rows: norm.rms_norm_quantize_cpu); the small-batch path takes the float rows, as does float32."""
+        if hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or self.small.takes(hidden):
+            return rms_norm(hidden, weight, eps)
+        codes, scales = rms_norm_quantize_cpu(hidden, weight, eps)
+        return QuantizedRows(codes, scales, hidden.dtype)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.gated:

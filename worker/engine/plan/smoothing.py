@@ -68,6 +68,9 @@ class _Recorder:
         self._record(x)
         return self.linear.silu_mul(x)
 
+    def normed(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.linear.normed(hidden, weight, eps)  # a float linear's: the normalized rows themselves
+
 
 def calibration_token_ids(tokenizer, max_tokens: int) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))[:max_tokens]

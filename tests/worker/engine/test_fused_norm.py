@@ -9,8 +9,7 @@ import pytest
 
 from kernels import cpu_int8_gemm_amx
 from tests.worker.engine.test_real_model import chat_prompts
-from worker.engine import LLM, SamplingParams
-from worker.engine import quantization
+from worker.engine import LLM, SamplingParams, quantization
 
 pytestmark = pytest.mark.skipif(not cpu_int8_gemm_amx.available(), reason="no AMX-INT8 on this CPU")
 

@@ -233,4 +233,5 @@ def _summed(total: ValidatedInput, more: ValidatedInput) -> ValidatedInput:
         num_rows=total.num_rows + more.num_rows,
         null_or_empty_rows=total.null_or_empty_rows + more.null_or_empty_rows,
         total_prompt_chars=total.total_prompt_chars + more.total_prompt_chars,
+        total_max_tokens=total.total_max_tokens + more.total_max_tokens,
     )

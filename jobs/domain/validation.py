@@ -31,6 +31,9 @@ class ValidatedInput:
     null_or_empty_rows: int  # these become error rows, not a failed job
     override_columns: tuple[str, ...]
     total_prompt_chars: int  # prompt_chars summed, kept even when prompt_chars is not (quotes price it)
+    # the most output tokens the rows to run may take: each one's max_tokens cell, or the job's where the
+    # column is absent or the cell null (the quote's output_tokens_max)
+    total_max_tokens: int
 
 
 def open_parquet(source: ParquetSource) -> pq.ParquetFile:
@@ -99,6 +102,7 @@ def validate_parquet(
     duplicates: list[str] = []
     empty_rows = 0
     total_chars = 0
+    total_max_tokens = 0
     offset = 0
     try:
         for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns):
@@ -108,6 +112,7 @@ def validate_parquet(
             chars = _prompt_chars(batch, source)
             empty_rows += int(np.count_nonzero(chars == 0))
             total_chars += int(chars.sum())
+            total_max_tokens += _max_tokens_to_run(batch, chars, params.max_tokens, "max_tokens" in overrides)
             if keep_prompt_chars:
                 lengths.append(chars)
             for name in overrides:
@@ -129,7 +134,18 @@ def validate_parquet(
         null_or_empty_rows=empty_rows,
         override_columns=overrides,
         total_prompt_chars=total_chars,
+        total_max_tokens=total_max_tokens,
     )
+
+
+def _max_tokens_to_run(batch: pa.RecordBatch, chars: np.ndarray, default: int, has_column: bool) -> int:
+    """The batch's rows to run (a prompt of at least one character), each at its own max_tokens cell where the
+    file has that column and the cell is set, else at the job's."""
+    to_run = chars > 0
+    if not has_column:
+        return int(np.count_nonzero(to_run)) * default
+    cells = pc.fill_null(batch.column("max_tokens"), default).to_numpy(zero_copy_only=False)
+    return int(cells[to_run].astype(np.int64).sum())
 
 
 def _decoded(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -55,6 +55,15 @@ def test_prompt_column_rows_are_streamed_and_measured(tmp_path: Path) -> None:
     assert checked.null_or_empty_rows == 3
 
 
+def test_the_most_output_tokens_counts_each_rows_own_max_tokens(tmp_path: Path) -> None:
+    # rows to run: those with a prompt; each at its max_tokens cell, or the job's (8) where the cell is null
+    table = pa.table({"prompt": ["a", "b", "", "c", None, "d"], "max_tokens": [5, None, 100, 30, 100, None]})
+    checked = validate_parquet(write(tmp_path, table, row_group_size=4), params(), MAX_LEN)
+    assert checked.total_max_tokens == 5 + 8 + 30 + 8
+    without = validate_parquet(write(tmp_path, table.drop_columns(["max_tokens"])), params(), MAX_LEN)
+    assert without.total_max_tokens == 4 * 8
+
+
 def test_messages_column_sums_message_lengths(tmp_path: Path) -> None:
     messages = [
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],

@@ -96,6 +96,10 @@ def test_a_quote_stores_nothing_and_describes_the_job(
     assert quote["output_tokens_max"] == 3 * 7 and quote["max_tokens"] == 7
     assert quote["device_hour_usd"] == service_env.settings.device_hour_usd
     assert quote["queue"]["workers"] >= 1
+    # A row's own max_tokens counts for that row (the empty and null prompts' cells do not: they never run).
+    with_column = table.append_column("max_tokens", pa.array([2, 50, 50, None, 3], pa.int64()))
+    assert quoter.quote(with_column, model=PARKED_MODEL, max_tokens=7)["output_tokens_max"] == 2 + 50 + 3
+    assert everything.snapshot() == before
     # The listing shows no job either.
     assert quoter.list_jobs(limit=100)["data"] == []
 

@@ -37,6 +37,8 @@ class ExecutionPlan:
                     "amx": "W8A8 own AMX tile GEMM (s8 x s8, fused epilogue)",
                     "triton": "W8A8 Triton int8 GEMM"}[s.int8_backend or "int_mm"]  # fmt: skip
             quantize = "compiled per-token quantization" if cpu_int8_linear.available() else "torch"
+            if s.int8_backend == "amx" and s.dtype == "bfloat16" and cpu_int8_linear.available():
+                quantize += ", fused with the RMSNorm before q/k/v and gate/up"  # AmxInt8Linear.normed
             if self.small_batch is not None and self.small_batch.rows:
                 tiles = ", AMX tiles" if cpu_int8_small_batch.amx_enabled() else ""
                 gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier}{tiles})"

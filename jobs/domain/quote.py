@@ -223,7 +223,7 @@ def price(
     prompt_chars: int,
     max_tokens: int,
     rates: Rates | None,
-    output_tokens_max: int | None = None,  # per-row max_tokens summed (validation.py); None: rows x max_tokens
+    output_tokens_max: int,  # the rows to run's max_tokens summed (validation.py: total_max_tokens)
     exact_prompt_tokens: int | None = None,
     backlog: int,
     seen_workers: int,
@@ -233,7 +233,7 @@ def price(
     """The quote from the job's counts and the model's rates (pure: the tests check the arithmetic)."""
     exact = exact_prompt_tokens is not None
     prompt_tokens = exact_prompt_tokens if exact else math.ceil(prompt_chars / CHARS_PER_TOKEN)
-    output_max = rows_to_run * max_tokens if output_tokens_max is None else output_tokens_max
+    output_max = output_tokens_max
     from_history = rates is not None and rates.output_fraction is not None
     output_expected = round(output_max * rates.output_fraction) if from_history else output_max
     workers = seen_workers or assumed_workers

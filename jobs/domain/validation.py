@@ -112,7 +112,7 @@ def validate_parquet(
             chars = _prompt_chars(batch, source)
             empty_rows += int(np.count_nonzero(chars == 0))
             total_chars += int(chars.sum())
-            total_max_tokens += _max_tokens_to_run(batch, chars, params.max_tokens, "max_tokens" in overrides)
+            total_max_tokens += _max_tokens_to_run(batch, chars, params.max_tokens)
             if keep_prompt_chars:
                 lengths.append(chars)
             for name in overrides:
@@ -138,11 +138,11 @@ def validate_parquet(
     )
 
 
-def _max_tokens_to_run(batch: pa.RecordBatch, chars: np.ndarray, default: int, has_column: bool) -> int:
+def _max_tokens_to_run(batch: pa.RecordBatch, chars: np.ndarray, default: int) -> int:
     """The batch's rows to run (a prompt of at least one character), each at its own max_tokens cell where the
-    file has that column and the cell is set, else at the job's."""
+    file has that column (read with the overrides) and the cell is set, else at the job's."""
     to_run = chars > 0
-    if not has_column:
+    if "max_tokens" not in batch.schema.names:
         return int(np.count_nonzero(to_run)) * default
     cells = pc.fill_null(batch.column("max_tokens"), default).to_numpy(zero_copy_only=False)
     return int(cells[to_run].astype(np.int64).sum())

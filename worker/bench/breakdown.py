@@ -41,7 +41,7 @@ def _summary(seconds: dict[str, float], steps: int, prefix: str) -> dict[str, An
 class Breakdown:
     decode_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     prefill_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    steps: int = 0  # decode steps
+    decode_steps: int = 0
     prefill_steps: int = 0
     decode: bool = False  # the step being timed is a decode step
     ran: bool = False  # the step being timed ran the model
@@ -51,7 +51,7 @@ class Breakdown:
         (self.decode_seconds if self.decode else self.prefill_seconds)[part] += seconds
 
     def as_dict(self) -> dict[str, Any]:  # the decode steps' summary
-        return _summary(self.decode_seconds, self.steps, "decode")
+        return _summary(self.decode_seconds, self.decode_steps, "decode")
 
     def prefill_dict(self) -> dict[str, Any]:  # the same for the steps that run a prefill chunk
         return _summary(self.prefill_seconds, self.prefill_steps, "prefill")
@@ -111,7 +111,7 @@ def install(llm: Any) -> Breakdown:
             return result
         breakdown.add("step", time.perf_counter() - started)
         if breakdown.decode:
-            breakdown.steps += 1
+            breakdown.decode_steps += 1
         else:
             breakdown.prefill_steps += 1
         return result

@@ -217,9 +217,17 @@ def ceiling_cases(device: str, quick: bool) -> list[dict]:
 
 
 def small_batch_cases(device: str, quick: bool) -> list[dict]:
-    """The CPU small-batch INT8 product of 7-bit codes in its two AVX2 forms (the same integers): the sign
-    form and the unsigned-activation form that weight row sums allow. Gemma 3's LM head and layer shapes."""
-    from kernels.cpu_int8_small_batch import available, int8_product, seven_bit_row_sums
+    """The CPU small-batch INT8 product in each form this build runs (the same integers): the [N, K] codes with
+    full-range weights (the sign form on AVX2, the 4 x 4 row tile on VNNI), the same with 7-bit codes and their
+    row sums (the AVX2 unsigned form), and the VNNI tier's 16-column panels. Gemma 3's LM head and layer
+    shapes."""
+    from kernels.cpu_int8_small_batch import (
+        SmallBatchWeights,
+        available,
+        int8_product,
+        panels_available,
+        prepare,
+    )
 
     if device != "cpu" or not available():
         return []
@@ -227,64 +235,70 @@ def small_batch_cases(device: str, quick: bool) -> list[dict]:
     reps = 3 if quick else 5
     for N, K in ((262144, 640), (4096, 640), (640, 2048)):
         w_q = torch.randint(-63, 64, (N, K), dtype=torch.int8)
-        sums = seven_bit_row_sums(w_q)
+        forms = {"rows": SmallBatchWeights(N, K, codes=w_q), "rows_7bit_sums": prepare(w_q, "rows")}
+        if panels_available():
+            forms["panels"] = prepare(w_q, "panels")
         for M in (1, 16, 32, 64):
             x_q = torch.randint(-127, 128, (M, K), dtype=torch.int8)
-            if not torch.equal(int8_product(x_q, w_q), int8_product(x_q, w_q, w_sums=sums)):
-                raise AssertionError(f"the two forms differ at M={M}, [N, K] = [{N}, {K}]")
-            case = dict(op="int8_small_batch_7bit", M=M, K=K, N=N)
-            case["sign_form_ms"] = time_ms(device, reps, int8_product, x_q, w_q)
-            case["unsigned_form_ms"] = time_ms(device, reps, int8_product, x_q, w_q, w_sums=sums)
-            case["speedup"] = case["sign_form_ms"] / case["unsigned_form_ms"]
+            want = int8_product(x_q, forms["rows"])
+            case = dict(op="int8_small_batch", M=M, K=K, N=N)
+            for name, weights in forms.items():
+                if not torch.equal(int8_product(x_q, weights), want):
+                    raise AssertionError(f"{name} differs at M={M}, [N, K] = [{N}, {K}]")
+                ms = time_ms(device, reps, int8_product, x_q, weights)
+                case[f"{name}_ms"] = ms
+                case[f"{name}_gmacs"] = M * N * K / 1e6 / ms
             cases.append(case)
     return cases
 
 
-def _fused_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
+def _fused_picks(x: torch.Tensor, head: tuple, layout: str) -> torch.Tensor:
     from kernels.cpu_int8_small_batch import int8_argmax_small_batch
 
-    w_q, w_scale, sums, _ = head
-    return int8_argmax_small_batch(x, w_q, w_scale, sums)[0]
+    return int8_argmax_small_batch(x, head[1][layout], head[0])[0]
 
 
 def _onednn_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
     from kernels import cpu_int8_linear
 
-    return cpu_int8_linear.int8_linear_onednn(x, head[3], None, torch.float32).max(-1).indices
+    return cpu_int8_linear.int8_linear_onednn(x, head[2], None, torch.float32).max(-1).indices
 
 
 def _small_batch_picks(x: torch.Tensor, head: tuple) -> torch.Tensor:
     from kernels.cpu_int8_small_batch import int8_linear_small_batch
 
-    w_q, w_scale, sums, _ = head
-    return int8_linear_small_batch(x, w_q, w_scale, None, torch.float32, None, sums).max(-1).indices
+    return int8_linear_small_batch(x, head[1]["rows"], head[0], None, torch.float32).max(-1).indices
 
 
 def greedy_head_cases(device: str, quick: bool) -> list[dict]:
-    """A greedy step's LM head: the fused argmax against the [M, vocab] logits (oneDNN's qlinear or the
-    small-batch product) and their max, on SmolLM2's and Gemma 3's heads, after checking the picks agree."""
+    """A greedy step's LM head: the fused argmax (over the [N, K] codes, and over the VNNI tier's panels) against
+    the [M, vocab] logits (oneDNN's qlinear or the small-batch product) and their max, on SmolLM2's and Gemma 3's
+    heads, after checking the picks agree."""
     from kernels import cpu_int8_linear
-    from kernels.cpu_int8_small_batch import available, seven_bit_row_sums
+    from kernels.cpu_int8_small_batch import available, panels_available, prepare
 
     if device != "cpu" or not (available() and cpu_int8_linear.onednn_available()):
         return []
     reps = 3 if quick else 5
     cases = []
+    layouts = ["rows", "panels"] if panels_available() else ["rows"]
     for model, N, K in (("smollm2", 49152, 576), ("gemma3", 262144, 640)):
         w_q, w_scale = quantize_weight_per_channel(torch.randn(N, K), cpu_int8_linear.weight_qmax())
-        sums, packed = seven_bit_row_sums(w_q), cpu_int8_linear.prepack_codes(w_q, w_scale)
-
-        head = (w_q, w_scale, sums, packed)
-        fused, onednn, small = (partial(f, head=head) for f in (_fused_picks, _onednn_picks, _small_batch_picks))
-        for M in (24, 64, 128, 256):
+        head = (w_scale, {layout: prepare(w_q, layout) for layout in layouts}, cpu_int8_linear.prepack_codes(w_q, w_scale))
+        onednn, small = (partial(f, head=head) for f in (_onednn_picks, _small_batch_picks))
+        for M in (1, 24, 64, 128, 256):
             x = torch.randn(M, K)
-            if not torch.equal(fused(x), onednn(x)):
-                raise AssertionError(f"the fused picks differ from the logits' max at M={M} ({model})")
             case = dict(op="greedy_lm_head", model=model, M=M, K=K, N=N)
-            case["fused_ms"] = time_ms(device, reps, fused, x)
+            for layout in layouts:
+                fused = partial(_fused_picks, head=head, layout=layout)
+                if not torch.equal(fused(x), onednn(x)):
+                    raise AssertionError(f"the fused picks ({layout}) differ from the logits' max at M={M} ({model})")
+                case[f"fused_{layout}_ms"] = time_ms(device, reps, fused, x)
+                case[f"fused_{layout}_gmacs"] = M * N * K / 1e6 / case[f"fused_{layout}_ms"]
             case["onednn_max_ms"] = time_ms(device, reps, onednn, x)
             case["small_batch_max_ms"] = time_ms(device, reps, small, x)
-            case["speedup"] = min(case["onednn_max_ms"], case["small_batch_max_ms"]) / case["fused_ms"]
+            fastest_fused = min(case[f"fused_{layout}_ms"] for layout in layouts)
+            case["speedup"] = min(case["onednn_max_ms"], case["small_batch_max_ms"]) / fastest_fused
             cases.append(case)
     return cases
 

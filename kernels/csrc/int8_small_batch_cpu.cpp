@@ -25,6 +25,11 @@
 // flips depend on both operands: at 16 rows the old loop ran 4x the instructions the weights' bytes need,
 // and a decode step of a small batch was bound by them, not by memory.
 //
+// On that tier the weights are normally prepared as panels of 16 output columns instead
+// (int8_vnni_panels.h: no per-tile reduction, so at Gemma's K = 640 twice this loop's rate); this loop keeps
+// the [N, K] codes of AMX machines (whose tiles read them in place) below kAmxMinRows, and a K not a
+// multiple of 4.
+//
 // With AMX-INT8 (Sapphire Rapids and later) the product runs on tiles instead, transposed so that the
 // weights need no repacking: out^T [N, M] = w [N, K] . x^T, with a 16-row x 64-byte block of the weight
 // matrix loaded in place as the A tile and the activations packed once per call into the B tiles' layout.
@@ -40,6 +45,8 @@
 #include <vector>
 
 #include "amx.h"
+#include "int8_vnni_panels.h"
+#include "vnni_inplace.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -180,7 +187,7 @@ __attribute__((always_inline)) inline void step_vnni(__m512i (&acc)[MX][4], cons
   for (int r = 0; r < MX; ++r) {
     const __m512i xv = _mm512_maskz_loadu_epi8(live, xr + r * K + k);
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], xv);
+    for (int j = 0; j < 4; ++j) freight::dpbusd(acc[r][j], wv[j], xv);
   }
 }
 
@@ -503,38 +510,11 @@ LoopExtras loop_extras(const int8_t* x, int64_t M, int64_t K, int64_t N, const c
   return extras;
 }
 
-}  // namespace
-
-// x_q [M, K] int8 with x_scale [M] float32 (per-token codes), w_q [N, K] int8 with w_scale [N] float32 ->
-// (indices [M] int64, values [M] float32): per row the first maximal float(x_q @ w_q.T) * x_scale * w_scale.
-// w_sums as for `product`.
-std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch::Tensor x_scale, torch::Tensor w_q,
-                                                        torch::Tensor w_scale, bool amx,
-                                                        c10::optional<torch::Tensor> w_sums) {
-  TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
-              "x_q must be a contiguous [M, K] int8 tensor");
-  TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kChar,
-              "w_q must be a contiguous [N, K] int8 tensor");
-  TORCH_CHECK(x_q.size(1) == w_q.size(1), "x_q and w_q must have the same K");
-  const int64_t M = x_q.size(0), K = x_q.size(1), N = w_q.size(0);
-  TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == M && x_scale.is_contiguous() &&
-                  x_scale.scalar_type() == at::kFloat, "x_scale must be a contiguous [M] float32 tensor");
-  TORCH_CHECK(w_scale.dim() == 1 && w_scale.size(0) == N && w_scale.is_contiguous() &&
-                  w_scale.scalar_type() == at::kFloat, "w_scale must be a contiguous [N] float32 tensor");
-  TORCH_CHECK(N > 0, "w_q must have rows");
-  const int8_t* x = x_q.const_data_ptr<int8_t>();
-  const int8_t* w = w_q.const_data_ptr<int8_t>();
-  const float* xs = x_scale.const_data_ptr<float>();
-  const float* ws = w_scale.const_data_ptr<float>();
-  const LoopExtras extras = loop_extras(x, M, K, N, w_sums);
-  bool tiles = false;  // each block's 16-row multiples on AMX tiles, as `product` takes them
-#if defined(FREIGHT_INT8_AMX)
-  TORCH_CHECK(!amx || available_amx(), "AMX is not usable here");
-  tiles = amx && M >= kAmxMinRows && K % kAmxK == 0;
-  const std::vector<int8_t> xp = tiles ? pack_activations(x, M, K) : std::vector<int8_t>();
-#else
-  TORCH_CHECK(!amx, "built without AMX support");
-#endif
+// Each row's first maximal float(acc) * x_scale * w_scale over N columns, where product(n0, width, acc) writes
+// the int32 products of columns [n0, n0 + width) into acc [M, width] (a task's buffer).
+template <typename BlockProduct>
+std::tuple<torch::Tensor, torch::Tensor> argmax_blocks(int64_t M, int64_t N, const float* xs, const float* ws,
+                                                       const BlockProduct& product) {
   // One contiguous range of blocks per task, a few tasks per thread; the tasks' picks merge in order, so
   // the first index wins ties across tasks as within one.
   const int64_t blocks = (N + kPickBlock - 1) / kPickBlock;
@@ -548,16 +528,7 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch
       for (int64_t m = 0; m < M; ++m) mine[m] = {-INFINITY, b_begin * kPickBlock};
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t n0 = b * kPickBlock, width = std::min(kPickBlock, N - n0);
-        int64_t on_tiles = 0;
-#if defined(FREIGHT_INT8_AMX)
-        if (tiles) {
-          on_tiles = width - width % kAmxRows;
-          if (on_tiles) product_rows_amx(xp.data(), w + n0 * K, acc.data(), M, K, width, 0, on_tiles);
-        }
-#endif
-        if (on_tiles < width)
-          product_rows(x, w + n0 * K, extras.x_sums.data(), extras.xu.data(),
-                       extras.w_sum ? extras.w_sum + n0 : nullptr, acc.data(), M, K, width, on_tiles, width);
+        product(n0, width, acc.data());
         pick_block(acc.data(), M, width, xs, ws + n0, n0, mine);
       }
     }
@@ -573,6 +544,128 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch
     val[m] = best.value;
   }
   return {indices, values};
+}
+
+void check_scales(const torch::Tensor& x_scale, const torch::Tensor& w_scale, int64_t M, int64_t N) {
+  TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == M && x_scale.is_contiguous() &&
+                  x_scale.scalar_type() == at::kFloat, "x_scale must be a contiguous [M] float32 tensor");
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.size(0) == N && w_scale.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat, "w_scale must be a contiguous [N] float32 tensor");
+  TORCH_CHECK(N > 0, "the weight must have rows");
+}
+
+void check_codes(const torch::Tensor& x_q, const torch::Tensor& w_q) {
+  TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
+              "x_q must be a contiguous [M, K] int8 tensor");
+  TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kChar,
+              "w_q must be a contiguous [N, K] int8 tensor");
+  TORCH_CHECK(x_q.size(1) == w_q.size(1), "x_q and w_q must have the same K");
+}
+
+#if defined(FREIGHT_INT8_VNNI512)
+// x_q [M, K] against panels [ceil(N / 16), K / 4, 16, 4] uint8 (int8_vnni_panels.h): checked, with K.
+int64_t check_panels(const torch::Tensor& x_q, const torch::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
+              "x_q must be a contiguous [M, K] int8 tensor");
+  const int64_t K = x_q.size(1);
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() && panels.scalar_type() == at::kByte &&
+                  panels.size(0) == (N + 15) / 16 && panels.size(1) * 4 == K && panels.size(2) == 16 &&
+                  panels.size(3) == 4,
+              "panels must be a contiguous [ceil(N / 16), K / 4, 16, 4] uint8 tensor for N = ", N, ", K = ", K);
+  TORCH_CHECK(K <= 65536, "the panel product is exact for K up to 65536, got ", K);
+  return K;
+}
+#endif
+
+}  // namespace
+
+// Whether this build has the panel product (AVX-512 VNNI).
+bool available_panels() {
+#if defined(FREIGHT_INT8_VNNI512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x_q [M, K] int8 with x_scale [M] float32 (per-token codes), w_q [N, K] int8 with w_scale [N] float32 ->
+// (indices [M] int64, values [M] float32): per row the first maximal float(x_q @ w_q.T) * x_scale * w_scale.
+// w_sums as for `product`.
+std::tuple<torch::Tensor, torch::Tensor> argmax_product(torch::Tensor x_q, torch::Tensor x_scale, torch::Tensor w_q,
+                                                        torch::Tensor w_scale, bool amx,
+                                                        c10::optional<torch::Tensor> w_sums) {
+  check_codes(x_q, w_q);
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = w_q.size(0);
+  check_scales(x_scale, w_scale, M, N);
+  const int8_t* x = x_q.const_data_ptr<int8_t>();
+  const int8_t* w = w_q.const_data_ptr<int8_t>();
+  const LoopExtras extras = loop_extras(x, M, K, N, w_sums);
+  bool tiles = false;  // each block's 16-row multiples on AMX tiles, as `product` takes them
+#if defined(FREIGHT_INT8_AMX)
+  TORCH_CHECK(!amx || available_amx(), "AMX is not usable here");
+  tiles = amx && M >= kAmxMinRows && K % kAmxK == 0;
+  const std::vector<int8_t> xp = tiles ? pack_activations(x, M, K) : std::vector<int8_t>();
+#else
+  TORCH_CHECK(!amx, "built without AMX support");
+#endif
+  return argmax_blocks(M, N, x_scale.const_data_ptr<float>(), w_scale.const_data_ptr<float>(),
+                       [&](int64_t n0, int64_t width, int32_t* acc) {
+                         int64_t on_tiles = 0;
+#if defined(FREIGHT_INT8_AMX)
+                         if (tiles) {
+                           on_tiles = width - width % kAmxRows;
+                           if (on_tiles) product_rows_amx(xp.data(), w + n0 * K, acc, M, K, width, 0, on_tiles);
+                         }
+#endif
+                         if (on_tiles < width)
+                           product_rows(x, w + n0 * K, extras.x_sums.data(), extras.xu.data(),
+                                        extras.w_sum ? extras.w_sum + n0 : nullptr, acc, M, K, width, on_tiles, width);
+                       });
+}
+
+// argmax_product over the weight's panels (int8_vnni_panels.h) instead of its [N, K] codes: the same picks.
+std::tuple<torch::Tensor, torch::Tensor> argmax_panels(torch::Tensor x_q, torch::Tensor x_scale, torch::Tensor panels,
+                                                       int64_t N, torch::Tensor w_scale) {
+#if defined(FREIGHT_INT8_VNNI512)
+  const int64_t K = check_panels(x_q, panels, N), M = x_q.size(0);
+  check_scales(x_scale, w_scale, M, N);
+  const int8_t* x = x_q.const_data_ptr<int8_t>();
+  const uint8_t* p = panels.const_data_ptr<uint8_t>();
+  std::vector<int32_t> shift = row_sums(x, M, K);
+  for (int32_t& s : shift) s *= 128;
+  const std::vector<int8_t> xi = freight_panels::interleave_rows(x, M, K);
+  return argmax_blocks(M, N, x_scale.const_data_ptr<float>(), w_scale.const_data_ptr<float>(),
+                       [&](int64_t n0, int64_t width, int32_t* acc) {
+                         freight_panels::panel_product(xi.data(), shift.data(), p, acc, width, M, K, N, n0, n0 + width);
+                       });
+#else
+  (void)x_q, (void)x_scale, (void)panels, (void)N, (void)w_scale;
+  TORCH_CHECK(false, "built without AVX-512 VNNI: no panel product");
+#endif
+}
+
+// out [M, N] int32 = x_q @ w.T over the weight's panels (int8_vnni_panels.h), exact.
+void product_panels(torch::Tensor x_q, torch::Tensor panels, int64_t N, torch::Tensor out) {
+#if defined(FREIGHT_INT8_VNNI512)
+  const int64_t K = check_panels(x_q, panels, N), M = x_q.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kInt && out.size(0) == M &&
+                  out.size(1) == N,
+              "out must be a contiguous [M, N] int32 tensor");
+  const int8_t* x = x_q.const_data_ptr<int8_t>();
+  const uint8_t* p = panels.const_data_ptr<uint8_t>();
+  int32_t* o = out.data_ptr<int32_t>();
+  std::vector<int32_t> shift = row_sums(x, M, K);
+  for (int32_t& s : shift) s *= 128;
+  const std::vector<int8_t> xi = freight_panels::interleave_rows(x, M, K);
+  constexpr int64_t grain = freight_panels::kPanelsPerStep * freight_panels::kColumns;  // one panel pair per task
+  at::parallel_for(0, (N + grain - 1) / grain, 1, [&](int64_t first, int64_t last) {
+    const int64_t n_begin = first * grain, n_end = std::min(N, last * grain);
+    freight_panels::panel_product(xi.data(), shift.data(), p, o + n_begin, N, M, K, N, n_begin, n_end);
+  });
+#else
+  (void)x_q, (void)panels, (void)N, (void)out;
+  TORCH_CHECK(false, "built without AVX-512 VNNI: no panel product");
+#endif
 }
 
 // x_q [M, K] int8, w_q [N, K] int8 (both contiguous) -> out [M, N] int32 (contiguous) = x_q @ w_q.T, exact.
@@ -619,4 +712,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_amx", &available_amx);
   m.def("argmax_product", &argmax_product, py::arg("x_q"), py::arg("x_scale"), py::arg("w_q"), py::arg("w_scale"),
         py::arg("amx"), py::arg("w_sums") = py::none());
+  m.def("available_panels", &available_panels);
+  m.def("product_panels", &product_panels, py::arg("x_q"), py::arg("panels"), py::arg("N"), py::arg("out"));
+  m.def("argmax_panels", &argmax_panels, py::arg("x_q"), py::arg("x_scale"), py::arg("panels"), py::arg("N"),
+        py::arg("w_scale"));
 }

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import cpu_int8_gemm_amx, quantize_weight_per_channel
-from kernels.cpu_int8_small_batch import int8_linear_silu_mul_small_batch, int8_linear_small_batch
+from kernels.cpu_int8_small_batch import int8_linear_silu_mul_small_batch, int8_linear_small_batch, prepare
 from kernels.reference import int8_linear_reference
 
 pytestmark = pytest.mark.skipif(
@@ -49,9 +49,9 @@ def test_linear_equals_the_small_batch_path_bit_for_bit(M, K, N, dtype):
     tiles = cpu_int8_gemm_amx.pack(w_q)
     got = cpu_int8_gemm_amx.int8_linear_amx(x, tiles, w_scale, bias, residual=residual)
     assert got.dtype == dtype
-    assert torch.equal(got, int8_linear_small_batch(x, w_q, w_scale, bias, residual=residual))
+    assert torch.equal(got, int8_linear_small_batch(x, prepare(w_q), w_scale, bias, residual=residual))
     assert torch.equal(
-        cpu_int8_gemm_amx.int8_linear_amx(x, tiles, w_scale), int8_linear_small_batch(x, w_q, w_scale)
+        cpu_int8_gemm_amx.int8_linear_amx(x, tiles, w_scale), int8_linear_small_batch(x, prepare(w_q), w_scale)
     )
     want = int8_linear_reference(x.float(), w_q.t(), w_scale, bias.float()) + residual.float()
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
@@ -65,7 +65,7 @@ def test_gated_silu_mul_equals_the_small_batch_path_bit_for_bit(M, K, I, dtype):
     x = torch.randn(M, K, generator=gen).to(dtype)
     got = cpu_int8_gemm_amx.int8_linear_silu_mul_amx(x, cpu_int8_gemm_amx.pack_gated(w_q), w_scale)
     assert got.shape == (M, I) and got.dtype == dtype
-    assert torch.equal(got, int8_linear_silu_mul_small_batch(x, w_q, w_scale))
+    assert torch.equal(got, int8_linear_silu_mul_small_batch(x, prepare(w_q), w_scale))
 
 
 def test_refusals_say_what_is_wrong():

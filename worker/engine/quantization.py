@@ -101,15 +101,13 @@ class FloatLinear(_NormedInput):
 
 class _SmallBatch:
     """The small-batch path of an INT8 linear on CPU: rows up to `rows` go through our own product on the
-    same weight codes [out, in] as the layer's GEMM (0: never)."""
+    same weight codes [out, in] as the layer's GEMM (0: never), prepared in the build's layout."""
 
-    def __init__(self, codes: torch.Tensor, w_scale: torch.Tensor, rows: int, keep_codes: bool = False) -> None:
+    def __init__(self, codes: torch.Tensor, rows: int, keep_codes: bool = False) -> None:
         usable = codes.device.type == "cpu" and cpu_int8_small_batch.available()
         self.rows = rows if usable else 0
         kept = bool(self.rows) or (keep_codes and usable)  # keep_codes: for `argmax` at any row count
-        self.codes = codes if kept else None  # [out, in] int8, contiguous
-        # the codes' row sums where they are 7-bit (the oneDNN backend's without VNNI): a faster AVX2 product
-        self.w_sums = cpu_int8_small_batch.seven_bit_row_sums(codes) if kept else None
+        self.weights = cpu_int8_small_batch.prepare(codes) if kept else None
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.rows
@@ -138,21 +136,21 @@ class _Int8Layer(_NormedInput):
         """[tokens, in] -> [tokens, out], plus residual [tokens, out] when given (fused on CPU)."""
         if self.small.takes(x):
             return cpu_int8_small_batch.int8_linear_small_batch(
-                x, self.small.codes, self.w_scale, self.bias, self.out_dtype, residual, self.small.w_sums
+                x, self.small.weights, self.w_scale, self.bias, self.out_dtype, residual
             )
         return self._product(x, residual)
 
     @property
     def picks_greedy(self) -> bool:
         """Whether `argmax` runs here: codes kept on CPU, no bias."""
-        return self.small.codes is not None and self.bias is None
+        return self.small.weights is not None and self.bias is None
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens] int64
         """Each row's first maximal float32 output, without making the [tokens, out] outputs: the same index as
         `self(x).max(-1)` (the same codes, scales and epilogue), for a greedy step's LM head."""
         if not self.picks_greedy:
             raise ValueError("argmax needs the layer's codes on CPU (keep_codes) and no bias")
-        return cpu_int8_small_batch.int8_argmax_small_batch(x, self.small.codes, self.w_scale, self.small.w_sums)[0]
+        return cpu_int8_small_batch.int8_argmax_small_batch(x, self.small.weights, self.w_scale)[0]
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU when fused."""
@@ -160,9 +158,7 @@ class _Int8Layer(_NormedInput):
             gate, up = self(x).chunk(2, dim=-1)
             return F.silu(gate) * up
         if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
-                x, self.small.codes, self.w_scale, self.out_dtype, self.small.w_sums
-            )
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(x, self.small.weights, self.w_scale, self.out_dtype)
         return self._product_silu_mul(x)
 
 
@@ -182,7 +178,7 @@ class Int8Linear(_Int8Layer):
         self.w_q_t = w_q.t()  # [in, out] view of the contiguous [out, in] tensor
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)  # the same codes: no extra memory
+        self.small = _SmallBatch(w_q, small_batch_rows, keep_codes)  # rows layout: the same codes
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
@@ -194,8 +190,8 @@ class Int8Linear(_Int8Layer):
 class OnednnInt8Linear(_Int8Layer):
     """W8A8 through oneDNN's u8 x s8 GEMM (weights prepacked once; per-token scales in our epilogue).
 
-    With a small-batch path the plain codes are kept beside oneDNN's packed copy (the packing is opaque),
-    which costs one more byte per weight: the plan enables it only where it measured faster."""
+    With a small-batch path its codes are kept beside oneDNN's packed copy (the packing is opaque), in the
+    small-batch layout, which costs one more byte per weight: the plan enables it only where it measured faster."""
 
     def __init__(
         self,
@@ -210,7 +206,7 @@ class OnednnInt8Linear(_Int8Layer):
         self.weight = cpu_int8_linear.prepack_codes(w_q, self.w_scale)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)
+        self.small = _SmallBatch(w_q, small_batch_rows, keep_codes)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
@@ -239,7 +235,7 @@ class AmxInt8Linear(_Int8Layer):
         self.weight = cpu_int8_gemm_amx.pack_gated(w_q) if self.gated else cpu_int8_gemm_amx.pack(w_q)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
-        self.small = _SmallBatch(w_q, self.w_scale, small_batch_rows, keep_codes)
+        self.small = _SmallBatch(w_q, small_batch_rows, keep_codes)
 
     def _fuses_silu_mul(self) -> bool:
         return self.gated

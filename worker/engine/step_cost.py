@@ -1,7 +1,7 @@
 """What a step of a given number of rows costs: the speculator's price list.
 
 Read off the engine's small-batch measurement (plan/small_batch.py: one pass over the model's INT8
-projections at 1, 4, 16, 32, 64 and 128 rows, by the faster of our kernel and the library GEMM). A few
+projections at each of its ROWS, by the faster of our kernel and the library GEMM). A few
 rows cost about as much as one (the pass is bound by reading the weights); many rows cost about their
 number (bound by arithmetic). Between measured sizes the cost is interpolated linearly; past the largest,
 extrapolated with the last segment's slope. Costs are made non-decreasing, so noise in the measurement

@@ -28,8 +28,11 @@ from worker.engine.plan.measure import CacheEntry
 from worker.engine.plan.shapes import expert_products, layer_products
 from worker.engine.plan.timing import best_seconds
 
-ROWS = (1, 4, 16, 32, 64, 128)  # batch sizes compared
+# batch sizes compared: decode steps up to 128 rows, and the larger steps of drafts and prefill chunks, where
+# the VNNI tier's panel product can still beat the library GEMM
+ROWS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 POOL_BYTES = 64 << 20  # int8 weights cycled through per timing: more than a server CPU's L3
+COMPUTE_BOUND_ROWS = 256  # from here a product is bound by arithmetic: one layer's weights are timed, not a pool
 
 
 @dataclass(frozen=True)
@@ -63,26 +66,28 @@ def measure_small_batch(model: ModelConfig, dtype: str, int8_backend: str) -> di
     layer_bytes = sum(n * k for n, k in shapes)
     layers = max(1, min(model.num_layers, -(-POOL_BYTES // layer_bytes)))
     qmax = cpu_int8_linear.weight_qmax() if int8_backend == "onednn" else 127
-    weights = []  # (codes [N, K] int8, scale [N] float32, the codes' 7-bit row sums or None, library product)
+    weights = []  # (the small-batch weights, scale [N] float32, the library product)
     for _ in range(layers):
         for n, k in shapes:
             codes, scale = quantize_weight_per_channel(torch.randn(n, k, generator=gen), qmax)
-            sums = cpu_int8_small_batch.seven_bit_row_sums(codes)  # as the engine's layers take them
-            weights.append((codes, scale, sums, _library_product(codes, scale, int8_backend)))
+            prepared = cpu_int8_small_batch.prepare(codes)  # as the engine's layers take them
+            weights.append((prepared, scale, _library_product(codes, scale, int8_backend)))
     seconds: dict[str, float] = {}
     for rows in ROWS:
         inputs = {k: torch.randn(rows, k, generator=gen).to(DTYPES[dtype]) for _, k in shapes}
+        timed = weights[: len(shapes)] if rows >= COMPUTE_BOUND_ROWS else weights
 
-        def small(inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for codes, scale, sums, _ in weights:
-                cpu_int8_small_batch.int8_linear_small_batch(inputs[codes.shape[1]], codes, scale, w_sums=sums)
+        def small(inputs: dict[int, torch.Tensor] = inputs, timed: list = timed) -> None:
+            for prepared, scale, _ in timed:
+                cpu_int8_small_batch.int8_linear_small_batch(inputs[prepared.in_features], prepared, scale)
 
-        def library(inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for codes, _, _, product in weights:
-                product(inputs[codes.shape[1]])
+        def library(inputs: dict[int, torch.Tensor] = inputs, timed: list = timed) -> None:
+            for prepared, _, product in timed:
+                product(inputs[prepared.in_features])
 
-        seconds[f"{rows}/small"] = best_seconds(small)
-        seconds[f"{rows}/library"] = best_seconds(library)
+        scale = len(weights) / len(timed)  # one layer timed stands for the pool's passes over its layers
+        seconds[f"{rows}/small"] = best_seconds(small) * scale
+        seconds[f"{rows}/library"] = best_seconds(library) * scale
     return seconds
 
 

@@ -51,12 +51,15 @@ def test_product_is_the_exact_integer_sum(M, K, N):
         assert torch.equal(int8_product(x_q, prepare(w_q, layout)).double(), want), layout
 
 
-# the panel product's register blocks: M across its 12 rows (1, 11, 12, 13, 25, 64), N across its pairs of
-# 16-column panels (a lone panel, a partial one, several tasks), K a multiple of 4 but of nothing larger
+# the panel product's register blocks: M across its 12 rows (1, 11, 12, 13, 25, 64) and its 192-row chunks (193,
+# 400), N across its pairs of 16-column panels (a lone panel, a partial one, several tasks), K a multiple of 4
+# but of nothing larger
 @pytest.mark.skipif(not cpu_int8_small_batch.panels_available(), reason="no AVX-512 VNNI build")
 @pytest.mark.parametrize(
-    ("M", "K", "N"), [(1, 4, 1), (11, 68, 16), (12, 640, 33), (13, 100, 47), (25, 2052, 96), (64, 640, 1000)]
-)
+    ("M", "K", "N"),
+    [(1, 4, 1), (11, 68, 16), (12, 640, 33), (13, 100, 47), (25, 2052, 96), (64, 640, 1000), (193, 64, 40),
+     (400, 132, 50)],
+)  # fmt: skip
 def test_panel_product_is_the_exact_integer_sum(M, K, N):
     x_q, w_q = codes(M, K, seed=M + 3), codes(N, K, seed=N + 3)
     x_q[0, :7] = -128  # the most negative activation code (the shift's correction)

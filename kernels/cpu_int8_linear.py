@@ -122,7 +122,8 @@ def int8_linear_silu_mul_cpu(
     w_q_t: torch.Tensor,  # [K, 2 * I] int8: gate columns, then up columns
     w_scale: torch.Tensor,  # [2 * I] float32
     out_dtype: torch.dtype,
-) -> torch.Tensor:  # [M, I] = silu(gate) * up, in out_dtype
+    activation: str = "silu",  # or "gelu_tanh"
+) -> torch.Tensor:  # [M, I] = act(gate) * up, in out_dtype
     x_q, x_scale = quantize_per_token_cpu(x)
     half = w_q_t.shape[1] // 2
     out = torch.empty((x.shape[0], half), dtype=out_dtype)
@@ -132,7 +133,7 @@ def int8_linear_silu_mul_cpu(
         for rows in row_chunks(x.shape[0]):  # the int32 products stay in cache for the epilogue
             gate = int_mm(x_q[rows], w_q_t[:, cols])  # [m, n] int32
             up = int_mm(x_q[rows], w_q_t[:, up_cols])
-            _extension().dequantize_silu_mul(gate, up, x_scale[rows], w_gate, w_up, out[rows, cols])
+            _extension().dequantize_silu_mul(gate, up, x_scale[rows], w_gate, w_up, out[rows, cols], activation)
     return out
 
 
@@ -294,7 +295,8 @@ def int8_linear_silu_mul_onednn(
     x: torch.Tensor,  # [M, K] float
     w_gate_up: OnednnWeight,  # N = 2 * I: gate rows, then up rows
     out_dtype: torch.dtype | None = None,  # default x.dtype
-) -> torch.Tensor:  # [M, I] = silu(x @ w_gate.T) * (x @ w_up.T), in out_dtype
+    activation: str = "silu",  # or "gelu_tanh"
+) -> torch.Tensor:  # [M, I] = act(x @ w_gate.T) * (x @ w_up.T), in out_dtype
     out_dtype = _check_onednn_args(x, w_gate_up, out_dtype)
     if w_gate_up.N % 2:
         raise ValueError(f"the gate/up weight must have 2 * I rows (gate, then up), got N = {w_gate_up.N}")
@@ -303,5 +305,7 @@ def int8_linear_silu_mul_onednn(
     out = torch.empty((x.shape[0], half), dtype=out_dtype)
     w_gate, w_up = w_gate_up.w_scale[:half], w_gate_up.w_scale[half:]
     for rows, acc in _products(x_u8, x.shape[0], w_gate_up):  # acc [m, 2 * I] float32
-        _extension().dequantize_silu_mul(acc[:, :half], acc[:, half:], x_scale[rows], w_gate, w_up, out[rows])
+        _extension().dequantize_silu_mul(
+            acc[:, :half], acc[:, half:], x_scale[rows], w_gate, w_up, out[rows], activation
+        )
     return out

@@ -177,7 +177,8 @@ def int8_linear_silu_mul_small_batch(
     weights: SmallBatchWeights,  # [2 * I, K] codes, prepared: gate rows, then up rows
     w_scale: torch.Tensor,  # [2 * I] float32
     out_dtype: torch.dtype | None = None,  # default x.dtype
-) -> torch.Tensor:  # [M, I] = silu(x @ w_gate.T) * (x @ w_up.T), in out_dtype
+    activation: str = "silu",  # or "gelu_tanh"
+) -> torch.Tensor:  # [M, I] = act(x @ w_gate.T) * (x @ w_up.T), in out_dtype
     out_dtype = _check(x, weights, w_scale, out_dtype)
     if weights.out_features % 2:
         raise ValueError(f"the gate/up weight must have 2 * I rows (gate, then up), got N = {weights.out_features}")
@@ -186,8 +187,9 @@ def int8_linear_silu_mul_small_batch(
     acc = int8_product(x_q, weights)  # [M, 2 * I] int32
     out = torch.empty((x.shape[0], half), dtype=out_dtype)
     _modules()[1].dequantize_silu_mul(
-        acc[:, :half], acc[:, half:], x_scale, w_scale[:half].contiguous(), w_scale[half:].contiguous(), out
-    )
+        acc[:, :half], acc[:, half:], x_scale, w_scale[:half].contiguous(), w_scale[half:].contiguous(), out,
+        activation,
+    )  # fmt: skip
     return out
 
 

@@ -227,23 +227,34 @@ def int8_linear(
     return y if residual is None else y.add_(residual)
 
 
+def gate_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's activation of its gate half: "silu", or "gelu_tanh" (Gemma's GeGLU)."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh")
+    raise ValueError(f"unknown MLP activation {activation!r}")
+
+
 def int8_linear_silu_mul(
     x: torch.Tensor,
     w_q_t: torch.Tensor,
     w_scale: torch.Tensor,
     out_dtype: torch.dtype | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """A gated MLP's input projection: y = x @ W (W's columns: gate, then up) -> silu(gate) * up.
+    """A gated MLP's input projection: y = x @ W (W's columns: gate, then up) -> act(gate) * up, act SiLU (the
+    name) or "gelu_tanh".
 
     x [M, K] float, w_q_t int8 [K, 2 * I], w_scale float32 [2 * I] -> [M, I] in out_dtype (default x.dtype).
-    On CPU the gate and up halves are never stored: the SiLU and product happen in the output pass.
+    On CPU the gate and up halves are never stored: the activation and product happen in the output pass.
     """
     if w_q_t.dim() != 2 or w_q_t.shape[1] % 2:
         raise ValueError(f"w_q_t must be [K, 2 * I] (gate, then up), got {tuple(w_q_t.shape)}")
     out_dtype = _check_linear_args(x, w_q_t, w_scale, None, out_dtype)
     backend = select_backend(x, compiled_supports=cpu_int8_linear.available)
     if backend == "compiled":
-        return cpu_int8_linear.int8_linear_silu_mul_cpu(x, w_q_t, w_scale, out_dtype)
+        return cpu_int8_linear.int8_linear_silu_mul_cpu(x, w_q_t, w_scale, out_dtype, activation)
     linear = int8_linear_triton if backend == "triton" else int8_linear_torch
     gate, up = linear(x, w_q_t, w_scale, None, out_dtype).chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return gate_activation(gate, activation) * up

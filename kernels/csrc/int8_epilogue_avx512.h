@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "avx512_math.h"
+#include "gate.h"
 
 namespace freight_epilogue {
 
@@ -46,20 +47,41 @@ void dequantize_row(const AccT* acc, float xs, const float* w_scale, const OutT*
   }
 }
 
-template <typename AccT, typename OutT>
-void silu_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
-                  int64_t cols) {
+using freight::Gate;
+
+// z(g) of gate.h, 16 lanes
+template <Gate G>
+inline __m512 sigmoid_argument16(__m512 g) {
+  if constexpr (G == Gate::kSilu) {
+    return g;
+  } else {
+    const __m512 g2 = _mm512_mul_ps(g, g);
+    return _mm512_mul_ps(
+        g, _mm512_fmadd_ps(g2, _mm512_set1_ps(freight::kGeluCubic), _mm512_set1_ps(freight::kGeluLinear)));
+  }
+}
+
+template <Gate G, typename AccT, typename OutT>
+void gated_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
+                   int64_t cols) {
   const __m512 xs_v = _mm512_set1_ps(xs);
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 m = tail_mask(cols - c);
     const __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(gate + c, m), xs_v), _mm512_maskz_loadu_ps(m, w_gate + c));
     const __m512 u = _mm512_mul_ps(_mm512_mul_ps(load16(up + c, m), xs_v), _mm512_maskz_loadu_ps(m, w_up + c));
-    // 1 / (1 + e^-g): a 14-bit reciprocal estimate refined by one Newton step (about 1e-7 relative)
-    const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    // 1 / (1 + e^-z): a 14-bit reciprocal estimate refined by one Newton step (about 1e-7 relative)
+    const __m512 z = sigmoid_argument16<G>(g);
+    const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z)));
     __m512 sig = _mm512_rcp14_ps(denom);
     sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(denom, sig, _mm512_set1_ps(2.f)));
     store16(out + c, _mm512_mul_ps(_mm512_mul_ps(g, sig), u), m);
   }
+}
+
+template <typename AccT, typename OutT>
+void silu_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
+                  int64_t cols) {
+  gated_mul_row<Gate::kSilu>(gate, up, xs, w_gate, w_up, out, cols);
 }
 
 }  // namespace freight_epilogue

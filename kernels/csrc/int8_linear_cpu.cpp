@@ -3,7 +3,8 @@
 //   quantize_rows: float rows -> int8 rows + one float32 scale per row (symmetric, absmax / 127); or uint8
 //     rows holding q + 128, the unsigned activations oneDNN's qlinear takes with zero point 128;
 //   dequantize_rows: int32 or float32 products -> y = acc * x_scale[row] * w_scale[col] (+ bias) (+ residual);
-//   dequantize_silu_mul: the gate and up products -> silu(gate) * up, never storing gate or up as floats;
+//   dequantize_silu_mul: the gate and up products -> act(gate) * up (SiLU, or GELU's tanh form), never storing
+//     gate or up as floats;
 //   rms_norm: LlamaRMSNorm in one pass per row (the torch ops are six passes and two dtype copies);
 //   rms_norm_quantize: rms_norm then quantize_rows in one pass, for a W8A8 product's input;
 //   write_kv_int8: a step's keys or values -> their paged INT8 cache slots, quantized per (token, kv head)
@@ -25,6 +26,7 @@
 
 #include "avx2_math.h"
 #include "avx512_math.h"
+#include "gate.h"
 #include "int8_epilogue_avx512.h"
 
 namespace {
@@ -93,13 +95,15 @@ void rms_norm_row_generic(const T* x, const T* weight, float eps, T* out, int64_
   }
 }
 
-template <typename AccT, typename OutT>
-void silu_mul_row_generic(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up,
-                          OutT* out, int64_t cols) {
+using freight::Gate;
+
+template <Gate G, typename AccT, typename OutT>
+void gated_mul_row_generic(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up,
+                           OutT* out, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) {
     const float g = static_cast<float>(gate[c]) * xs * w_gate[c];
     const float u = static_cast<float>(up[c]) * xs * w_up[c];
-    out[c] = static_cast<OutT>(g / (1.f + std::exp(-g)) * u);
+    out[c] = static_cast<OutT>(freight::gate_activation<G>(g) * u);
   }
 }
 
@@ -107,7 +111,7 @@ void silu_mul_row_generic(const AccT* gate, const AccT* up, float xs, const floa
 #define FREIGHT_SIMD 1
 // ---------------------------------------------------------------------------------------------------
 // AVX-512: 16 lanes at a time; `n` < 16 only at a row's tail (masked loads and stores).
-using namespace freight_epilogue;  // tail_mask, load16, store16, dequantize_row, silu_mul_row
+using namespace freight_epilogue;  // tail_mask, load16, store16, dequantize_row, gated_mul_row
 
 using freight::exp16;
 
@@ -235,21 +239,25 @@ void dequantize_row(const AccT* acc, float xs, const float* w_scale, const OutT*
                          residual ? residual + body : nullptr, out + body, cols - body);
 }
 
-template <typename AccT, typename OutT>
-void silu_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
-                  int64_t cols) {
+template <Gate G, typename AccT, typename OutT>
+void gated_mul_row(const AccT* gate, const AccT* up, float xs, const float* w_gate, const float* w_up, OutT* out,
+                   int64_t cols) {
   const int64_t body = cols - cols % 8;
   const __m256 xs_v = _mm256_set1_ps(xs);
   for (int64_t c = 0; c < body; c += 8) {
     const __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(gate + c), xs_v), _mm256_loadu_ps(w_gate + c));
     const __m256 u = _mm256_mul_ps(_mm256_mul_ps(load8(up + c), xs_v), _mm256_loadu_ps(w_up + c));
-    // 1 / (1 + e^-g): a 12-bit reciprocal estimate refined by one Newton step (about 2e-7 relative)
-    const __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    __m256 z = g;  // gate.h's z(g)
+    if constexpr (G == Gate::kGeluTanh)
+      z = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(freight::kGeluCubic),
+                                           _mm256_set1_ps(freight::kGeluLinear)));
+    // 1 / (1 + e^-z): a 12-bit reciprocal estimate refined by one Newton step (about 2e-7 relative)
+    const __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
     __m256 sig = _mm256_rcp_ps(denom);
     sig = _mm256_mul_ps(sig, _mm256_fnmadd_ps(denom, sig, _mm256_set1_ps(2.f)));
     store8(out + c, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
   }
-  silu_mul_row_generic(gate + body, up + body, xs, w_gate + body, w_up + body, out + body, cols - body);
+  gated_mul_row_generic<G>(gate + body, up + body, xs, w_gate + body, w_up + body, out + body, cols - body);
 }
 #endif
 
@@ -299,21 +307,21 @@ void dequantize_rows_kernel(const AccT* acc, int64_t acc_stride, const float* x_
   });
 }
 
-template <typename AccT, typename OutT>
-void dequantize_silu_mul_kernel(const AccT* gate, const AccT* up, int64_t acc_stride, const float* x_scale,
-                                const float* w_gate, const float* w_up, OutT* out, int64_t out_stride,
-                                int64_t rows, int64_t cols) {
+template <Gate G, typename AccT, typename OutT>
+void dequantize_gated_mul_kernel(const AccT* gate, const AccT* up, int64_t acc_stride, const float* x_scale,
+                                 const float* w_gate, const float* w_up, OutT* out, int64_t out_stride,
+                                 int64_t rows, int64_t cols) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const AccT* g = gate + r * acc_stride;
       const AccT* u = up + r * acc_stride;
 #ifdef FREIGHT_SIMD
       if constexpr (kVectorized<OutT>) {
-        silu_mul_row(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
+        gated_mul_row<G>(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
         continue;
       }
 #endif
-      silu_mul_row_generic(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
+      gated_mul_row_generic<G>(g, u, x_scale[r], w_gate, w_up, out + r * out_stride, cols);
     }
   });
 }
@@ -506,9 +514,12 @@ void dequantize_rows(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_s
 
 // gate, up [M, I] int32 or float32 views with contiguous rows and one row stride (two contiguous products,
 // or the two column halves of one [M, 2 * I] product), w_gate, w_up [I] -> out [M, I] view with contiguous
-// rows = silu(gate) * up.
+// rows = act(gate) * up, act "silu" or "gelu_tanh" (gate.h).
 void dequantize_silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor x_scale, torch::Tensor w_gate,
-                         torch::Tensor w_up, torch::Tensor out) {
+                         torch::Tensor w_up, torch::Tensor out, const std::string& activation) {
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation must be silu or gelu_tanh, got ",
+              activation);
+  const bool gelu = activation == "gelu_tanh";
   TORCH_CHECK(gate.dim() == 2 && gate.stride(1) == 1, "gate must be a 2-D view with contiguous rows");
   check_row_view(up, gate, "up");
   TORCH_CHECK(up.stride(0) == gate.stride(0) && up.scalar_type() == gate.scalar_type(),
@@ -520,10 +531,13 @@ void dequantize_silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor x_s
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_silu_mul", [&] {
     with_accumulator(gate, [&](auto gate_ptr) {
       using AccT = pointee_t<decltype(gate_ptr)>;
-      dequantize_silu_mul_kernel<AccT, scalar_t>(gate_ptr, up.const_data_ptr<AccT>(), gate.stride(0),
-                                                 x_scale.const_data_ptr<float>(), w_gate.const_data_ptr<float>(),
-                                                 w_up.const_data_ptr<float>(), out.data_ptr<scalar_t>(),
-                                                 out.stride(0), gate.size(0), gate.size(1));
+      const auto run = [&](auto kernel) {
+        kernel(gate_ptr, up.const_data_ptr<AccT>(), gate.stride(0), x_scale.const_data_ptr<float>(),
+               w_gate.const_data_ptr<float>(), w_up.const_data_ptr<float>(), out.data_ptr<scalar_t>(), out.stride(0),
+               gate.size(0), gate.size(1));
+      };
+      if (gelu) run(dequantize_gated_mul_kernel<Gate::kGeluTanh, AccT, scalar_t>);
+      else run(dequantize_gated_mul_kernel<Gate::kSilu, AccT, scalar_t>);
     });
   });
 }
@@ -609,7 +623,8 @@ void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows);
   m.def("dequantize_rows", &dequantize_rows);
-  m.def("dequantize_silu_mul", &dequantize_silu_mul);
+  m.def("dequantize_silu_mul", &dequantize_silu_mul, py::arg("gate"), py::arg("up"), py::arg("x_scale"),
+        py::arg("w_gate"), py::arg("w_up"), py::arg("out"), py::arg("activation") = "silu");
   m.def("write_kv_int8", &write_kv_int8);
   m.def("rms_norm", &rms_norm);
   m.def("rms_norm_quantize", &rms_norm_quantize);

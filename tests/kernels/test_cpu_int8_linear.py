@@ -4,6 +4,8 @@ of 8 (AVX2). Which SIMD path runs is the build's tier; FREIGHT_CPU_ISA=generic r
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,16 +91,20 @@ def test_linear_with_bias_and_residual(dtype, M, K, N, with_bias, with_residual)
     assert torch.equal(int8_linear(x, w_q.t(), w_scale, bias, residual=residual), got)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "K", "I"), [(1, 64, 8), (9, 96, 40), (33, 576, 1536), (600, 64, 2100)])
-def test_silu_mul_matches_the_unfused_product(dtype, M, K, I):  # noqa: E741
+def test_silu_mul_matches_the_unfused_product(dtype, M, K, I, activation):  # noqa: E741
     x = randn(M, K, seed=5, dtype=dtype)
     w_q, w_scale = quantize_weight_per_channel(randn(2 * I, K, seed=6))
-    got = int8_linear_silu_mul_cpu(x, w_q.t(), w_scale, dtype)
+    got = int8_linear_silu_mul_cpu(x, w_q.t(), w_scale, dtype, activation)
     gate, up = int8_linear_reference(x, w_q.t(), w_scale, None, torch.float64).chunk(2, dim=-1)
     assert got.dtype == dtype and got.shape == (M, I)
-    _close(got, F.silu(gate) * up)
-    assert torch.equal(int8_linear_silu_mul(x, w_q.t(), w_scale), got)
+    _close(got, ACTIVATIONS[activation](gate) * up)
+    assert torch.equal(int8_linear_silu_mul(x, w_q.t(), w_scale, activation=activation), got)
 
 
 def _products(M: int, N: int, seed: int) -> torch.Tensor:
@@ -129,14 +135,15 @@ def test_dequantize_float_products_like_int32(dtype, M, N):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "I"), [(1, 5), (6, 37), (33, 264)])
-def test_silu_mul_float_products_like_int32(dtype, M, I):  # noqa: E741
+def test_silu_mul_float_products_like_int32(dtype, M, I, activation):  # noqa: E741
     acc = _products(M, 2 * I, seed=I)
     x_scale = torch.rand(M, generator=torch.Generator().manual_seed(5)) * 1e-5 + 1e-6
     w_scale = torch.rand(2 * I, generator=torch.Generator().manual_seed(6)) + 1e-2  # |gate| up to ~10
     gate, up = (acc.double() * x_scale.double()[:, None] * w_scale.double()).chunk(2, dim=1)
-    want = F.silu(gate) * up
+    want = ACTIVATIONS[activation](gate) * up
     extension = cpu_int8_linear.load_extension()
     outs = []
     for gate_acc, up_acc in (
@@ -144,7 +151,7 @@ def test_silu_mul_float_products_like_int32(dtype, M, I):  # noqa: E741
         (acc.float()[:, :I], acc.float()[:, I:]),
     ):
         out = torch.empty(M, I, dtype=dtype)
-        extension.dequantize_silu_mul(gate_acc, up_acc, x_scale, w_scale[:I], w_scale[I:], out)
+        extension.dequantize_silu_mul(gate_acc, up_acc, x_scale, w_scale[:I], w_scale[I:], out, activation)
         _close(out, want)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])

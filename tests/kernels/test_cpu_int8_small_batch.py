@@ -189,9 +189,11 @@ def test_equals_the_onednn_path_bit_for_bit(M):
             int8_linear_small_batch(x, weights, w_scale, residual=residual),
             cpu_int8_linear.int8_linear_onednn(x, packed, residual=residual),
         )
-        assert torch.equal(
-            int8_linear_silu_mul_small_batch(x, weights, w_scale), cpu_int8_linear.int8_linear_silu_mul_onednn(x, packed)
-        )
+        for activation in ("silu", "gelu_tanh"):
+            assert torch.equal(
+                int8_linear_silu_mul_small_batch(x, weights, w_scale, activation=activation),
+                cpu_int8_linear.int8_linear_silu_mul_onednn(x, packed, activation=activation),
+            )
 
 
 def logits_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

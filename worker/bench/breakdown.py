@@ -75,15 +75,15 @@ class _Timed:
 
 
 class _MLPStart(_Timed):
-    """The gate/up product: notes when the MLP starts (its fused silu_mul path included)."""
+    """The gate/up product: notes when the MLP starts (its fused gated_mul path included)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._breakdown._mlp_started = time.perf_counter()
         return self._inner(*args, **kwargs)
 
-    def silu_mul(self, *args: Any, **kwargs: Any) -> Any:
+    def gated_mul(self, *args: Any, **kwargs: Any) -> Any:
         self._breakdown._mlp_started = time.perf_counter()
-        return self._inner.silu_mul(*args, **kwargs)
+        return self._inner.gated_mul(*args, **kwargs)
 
 
 class _MLPEnd(_Timed):

@@ -72,7 +72,7 @@ class DecoderModel:
         def optional(name: str) -> torch.Tensor | None:
             return get(name).to(dtype) if name in tensors else None
 
-        silu = config.hidden_act == "silu"  # the gate/up products are then only used through silu_mul
+        silu = config.hidden_act == "silu"  # the gate/up products are then only used through gated_mul
 
         def moe_block(p: str) -> MoEBlock:
             """A sparse layer's router (float32, like transformers' router logits) and per-expert linears, each

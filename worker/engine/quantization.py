@@ -17,23 +17,22 @@ import torch.nn.functional as F
 
 from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch, rms_norm
 from kernels.cpu_int8_gemm_amx import QuantizedRows
-from kernels.int8_linear import int8_linear, int8_linear_silu_mul
+from kernels.int8_linear import gate_activation, int8_linear, int8_linear_silu_mul
 from kernels.norm import rms_norm_quantize_cpu
 from kernels.quantize import quantize_weight_per_channel
 
 Int8Backend = Literal["int_mm", "onednn", "amx", "triton"]
 
 
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU, and GELU's tanh form (Gemma's GeGLU, gelu_pytorch_tanh)
+
+
 def gated(linear: Linear, x: torch.Tensor, activation: str) -> torch.Tensor:
-    """A gated MLP's fused gate/up projection: [tokens, in] -> act(gate) * up [tokens, out / 2].
-    "silu" takes the linear's fused path (gate and up never stored on CPU INT8); "gelu_tanh" (Gemma's GeGLU,
-    transformers' gelu_pytorch_tanh) runs the product, then the activation."""
-    if activation == "silu":
-        return linear.silu_mul(x)
-    if activation != "gelu_tanh":
+    """A gated MLP's fused gate/up projection: [tokens, in] -> act(gate) * up [tokens, out / 2], on the linear's
+    fused path where it has one (gate and up never stored on CPU INT8)."""
+    if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"unknown MLP activation {activation!r}")
-    gate, up = linear(x).chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return linear.gated_mul(x, activation)
 
 
 class _NormedInput:
@@ -93,10 +92,10 @@ class FloatLinear(_NormedInput):
             y = y.to(self.out_dtype)
         return y if residual is None else residual + y  # transformers' order, for exact float32 parity
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """A gated MLP's fused gate/up projection: [tokens, in] -> silu(gate) * up [tokens, out / 2]."""
+    def gated_mul(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """A gated MLP's fused gate/up projection: [tokens, in] -> act(gate) * up [tokens, out / 2]."""
         gate, up = self._product(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return gate_activation(gate, activation) * up
 
 
 class _SmallBatch:
@@ -116,7 +115,8 @@ class _SmallBatch:
 class _Int8Layer(_NormedInput):
     """What the INT8 backends share: the small-batch path for few rows, the backend's GEMM (`_product`,
     `_product_silu_mul`) for more, over the same codes and scales, so a row's outputs do not depend on which
-    ran. SiLU-and-multiply is fused unless the layer has a bias (or the backend cannot fuse it here)."""
+    ran. The gate's activation and the multiply are fused unless the layer has a bias (or the backend cannot
+    fuse that activation: then neither path fuses it, so both round alike)."""
 
     w_scale: torch.Tensor  # [out] float32
     bias: torch.Tensor | None
@@ -126,10 +126,10 @@ class _Int8Layer(_NormedInput):
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def _product_silu_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def _fuses_silu_mul(self) -> bool:
+    def _fuses(self, activation: str) -> bool:
         return self.bias is None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,14 +152,16 @@ class _Int8Layer(_NormedInput):
             raise ValueError("argmax needs the layer's codes on CPU (keep_codes) and no bias")
         return cpu_int8_small_batch.int8_argmax_small_batch(x, self.small.weights, self.w_scale)[0]
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, in] -> silu(gate) * up [tokens, out / 2]; gate and up are never stored on CPU when fused."""
-        if not self._fuses_silu_mul():
+    def gated_mul(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """[tokens, in] -> act(gate) * up [tokens, out / 2]; gate and up are never stored on CPU when fused."""
+        if not self._fuses(activation):
             gate, up = self(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return gate_activation(gate, activation) * up
         if self.small.takes(x):
-            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(x, self.small.weights, self.w_scale, self.out_dtype)
-        return self._product_silu_mul(x)
+            return cpu_int8_small_batch.int8_linear_silu_mul_small_batch(
+                x, self.small.weights, self.w_scale, self.out_dtype, activation
+            )
+        return self._product_silu_mul(x, activation)
 
 
 class Int8Linear(_Int8Layer):
@@ -183,8 +185,8 @@ class Int8Linear(_Int8Layer):
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, self.w_q_t, self.w_scale, self.bias, self.out_dtype, residual=residual)
 
-    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype)
+    def _product_silu_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        return int8_linear_silu_mul(x, self.w_q_t, self.w_scale, self.out_dtype, activation)
 
 
 class OnednnInt8Linear(_Int8Layer):
@@ -211,8 +213,8 @@ class OnednnInt8Linear(_Int8Layer):
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_int8_linear.int8_linear_onednn(x, self.weight, self.bias, self.out_dtype, residual)
 
-    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype)
+    def _product_silu_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        return cpu_int8_linear.int8_linear_silu_mul_onednn(x, self.weight, self.out_dtype, activation)
 
 
 class AmxInt8Linear(_Int8Layer):
@@ -230,15 +232,15 @@ class AmxInt8Linear(_Int8Layer):
         keep_codes: bool = False,
     ) -> None:
         w_q, self.w_scale = quantize_weight_per_channel(weight.float())  # [out, in] int8, [out] fp32
-        # silu_mul needs the gated packing (2 * I a multiple of 32); such a weight is only ever used that way
+        # gated_mul needs the gated packing (2 * I a multiple of 32); such a weight is only ever used that way
         self.gated = gated and bias is None and w_q.shape[0] % 32 == 0
         self.weight = cpu_int8_gemm_amx.pack_gated(w_q) if self.gated else cpu_int8_gemm_amx.pack(w_q)
         self.bias = bias.to(dtype) if bias is not None else None
         self.out_dtype = out_dtype
         self.small = _SmallBatch(w_q, small_batch_rows, keep_codes)
 
-    def _fuses_silu_mul(self) -> bool:
-        return self.gated
+    def _fuses(self, activation: str) -> bool:
+        return self.gated and activation == "silu"  # the tile GEMM's epilogue makes SiLU only
 
     def normed(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | QuantizedRows:
         """Rows the tile GEMM takes get their codes straight from the norm (the same codes, one pass fewer over
@@ -250,10 +252,10 @@ class AmxInt8Linear(_Int8Layer):
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.gated:
-            raise ValueError("a gated AMX weight computes silu(gate) * up only (silu_mul)")
+            raise ValueError("a gated AMX weight computes silu(gate) * up only (gated_mul)")
         return cpu_int8_gemm_amx.int8_linear_amx(x, self.weight, self.w_scale, self.bias, self.out_dtype, residual)
 
-    def _product_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def _product_silu_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         return cpu_int8_gemm_amx.int8_linear_silu_mul_amx(x, self.weight, self.w_scale, self.out_dtype)
 
 
@@ -274,7 +276,7 @@ def make_linear(
     keep_codes: bool = False,
 ) -> Linear:
     """int8_backend: "onednn" or "amx" on CPU when plan/schemes.py chose it; anything else runs int8_linear's
-    dispatch. gated: a gate-then-up weight only ever used through silu_mul (the AMX backend packs it so).
+    dispatch. gated: a gate-then-up weight only ever used through gated_mul with SiLU (the AMX backend packs it so).
     small_batch_rows: INT8 products of at most this many rows run the small-batch kernel (CPU).
     invariant_rows: float products in blocks of this many rows (FloatLinear), 0 for one product; wide_rows:
     larger blocks that round like them. keep_codes: an INT8 layer on CPU keeps its plain codes for `argmax`

@@ -79,14 +79,15 @@ def test_either_path_gives_the_same_output(backend: str, dtype: torch.dtype) -> 
         residual = torch.randn(rows, 96, generator=gen).to(dtype)
         assert small.small.takes(x) and not library.small.takes(x)
         assert torch.equal(small(x, residual=residual), library(x, residual=residual))
-        assert torch.equal(small.silu_mul(x), library.silu_mul(x))
+        assert torch.equal(small.gated_mul(x), library.gated_mul(x))
+        assert torch.equal(small.gated_mul(x, "gelu_tanh"), library.gated_mul(x, "gelu_tanh"))
     assert not small.small.takes(torch.zeros(9, 64))
-    # a gate/up weight only used through silu_mul (the AMX backend packs it in gated blocks)
+    # a gate/up weight only used through gated_mul (the AMX backend packs it in gated blocks)
     gated_library = make_linear(weight, None, dtype, "int8", int8_backend=backend, small_batch_rows=0, gated=True)
     gated_small = make_linear(weight, None, dtype, "int8", int8_backend=backend, small_batch_rows=8, gated=True)
     for rows in (1, 8, 40):
         x = torch.randn(rows, 64, generator=gen).to(dtype)
-        assert torch.equal(gated_small.silu_mul(x), gated_library.silu_mul(x))
+        assert torch.equal(gated_small.gated_mul(x), gated_library.gated_mul(x))
 
 
 def test_measurement_covers_every_row_count() -> None:

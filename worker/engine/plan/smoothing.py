@@ -64,9 +64,9 @@ class _Recorder:
         self._record(x)
         return self.linear(x, residual=residual)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def gated_mul(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         self._record(x)
-        return self.linear.silu_mul(x)
+        return self.linear.gated_mul(x, activation)
 
     def normed(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.linear.normed(hidden, weight, eps)  # a float linear's: the normalized rows themselves

@@ -1,9 +1,10 @@
 """Issue 28's property tests as a matrix: each class of hostile input (rows) over each route that takes
 input (columns), every cell a hypothesis test or a reason it does not apply (MATRIX, the same table as
 docs/input-rules.md#property-tests). The cells the earlier rounds left open are tested here, through
-the session's `freight api` process (httptools) on Postgres and Redis, no worker: each answer is a 4xx
+the module's own `freight api` process (httptools) on Postgres and Redis, no worker: each answer is a 4xx
 in Freight's one error shape naming where (field, row and column, JSONL line, query parameter), comes
-in under 2 s, and leaves no rows, files or queue messages (a batch whose lines are refused is stored,
+in under 2 s, keeps the API process under its memory bound (sampled through the whole module; the last
+test checks it), and leaves no rows, files or queue messages (a batch whose lines are refused is stored,
 failed, as the OpenAI API does: it holds no job and queues nothing). Each route is a parameter, so every
 cell runs every time; FREIGHT_MATRIX_EXAMPLES (default 8) sets the examples per cell for a deeper sweep."""
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pyarrow as pa
@@ -23,7 +26,7 @@ from hypothesis import strategies as st
 
 from jobs.domain.constraint_limits import MAX_REGEX_REPEAT, MAX_SCHEMA_BOUND, MAX_SCHEMA_DEPTH
 from jobs.domain.json_limits import JsonLimits
-from tests.service.fixtures import PARKED_MODEL, ServiceEnv, create_api_key
+from tests.service.fixtures import PARKED_MODEL, Process, ServiceEnv, create_api_key, start_api
 from tests.service.hostile_helpers import Leftovers, RawConnection, error_of, parquet_bytes
 
 TENANT = "hostile-matrix"
@@ -32,6 +35,10 @@ NETWORK = settings(
 )
 FAST_S = 2.0
 LIMITS = JsonLimits()
+# What the API process may grow by while answering the whole matrix: its parsers are bounded (JSON limits,
+# multipart and Parquet streamed to disk), so hostile input costs it transient buffers, never the body's size
+# times anything. Measured: a few MB (the last test prints it).
+MEMORY_GROWTH_BOUND_MB = 128
 
 ROUTES = ("jobs", "quote", "by-reference", "files", "batches", "jsonl line", "parquet cell", "query")
 CLASSES = ("text", "unbounded", "duplicate keys", "constraint", "framing")
@@ -97,6 +104,49 @@ def test_the_matrix_has_every_cell_and_names_tests_that_exist() -> None:
 GOOD = parquet_bytes(pa.table({"prompt": ["Say 1", "Say 2"]}))
 JSON = {"Content-Type": "application/json"}
 REFERENCE_URI = "s3://freight-nowhere/in.parquet"  # never read: every refusal here comes before the input
+
+
+class RssSampler:
+    """The resident memory of one process, sampled from /proc every 20 ms in a thread: its start and its peak."""
+
+    def __init__(self, pid: int) -> None:
+        self.status = Path(f"/proc/{pid}/status")
+        self.start_mb = self.peak_mb = self.read_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def read_mb(self) -> float:
+        for line in self.status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError(f"no VmRSS in {self.status}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.peak_mb = max(self.peak_mb, self.read_mb())
+            except (FileNotFoundError, ProcessLookupError):  # the process ended: the last test says so
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def api(service_env: ServiceEnv, log_dir: Path) -> Iterator[tuple[Process, RssSampler, str]]:
+    """This module's own API process (the session's serves other modules too), its memory sampled throughout."""
+    process, url = start_api(service_env, log_dir)
+    sampler = RssSampler(process.popen.pid)
+    yield process, sampler, url
+    sampler.stop()
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def api_url(api: tuple[Process, RssSampler, str]) -> str:
+    return api[2]
 
 
 @pytest.fixture(scope="module")
@@ -474,3 +524,13 @@ def test_broken_framing_on_every_route(
     finally:
         connection.close()
     leftovers.assert_none()
+
+
+def test_the_api_stayed_under_its_memory_bound(api: tuple[Process, RssSampler, str]) -> None:
+    """Last in the module (pytest runs a file in order): the API answered every hostile request above within
+    MEMORY_GROWTH_BOUND_MB of what it held when it started serving."""
+    process, sampler, _ = api
+    assert process.alive(), process.output()[-2000:]
+    growth = sampler.peak_mb - sampler.start_mb
+    print(f"API RSS: {sampler.start_mb:.0f} MB at the start, {sampler.peak_mb:.0f} MB at the peak (+{growth:.0f})")
+    assert growth < MEMORY_GROWTH_BOUND_MB, (sampler.start_mb, sampler.peak_mb)

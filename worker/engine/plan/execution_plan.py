@@ -41,7 +41,11 @@ class ExecutionPlan:
                 quantize += ", fused with the RMSNorm before q/k/v and gate/up"  # AmxInt8Linear.normed
             if self.small_batch is not None and self.small_batch.rows:
                 tiles = ", AMX tiles" if cpu_int8_small_batch.amx_enabled() else ""
-                gemm += f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier}{tiles})"
+                # the layout most weights take (a K not a multiple of 4 keeps rows: default_layout)
+                panels = ", VNNI panels" if cpu_int8_small_batch.panels_available() and not tiles else ""
+                gemm += (
+                    f"; up to {self.small_batch.rows} rows: own weight-streaming int8 product ({self.tier}{tiles}{panels})"
+                )
         else:
             gemm, quantize = f"{s.dtype} GEMM", "none"
         if self.tier == "cuda":

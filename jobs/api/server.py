@@ -7,8 +7,11 @@ error nothing more on it can be trusted).
 
 A connection carries one answer per request. Where the app has already answered the request whose bytes
 turn out broken (an early answer: a 401, or a 413 for a body over the limit, sent before the body was
-read), or an answer is on its way, a 400 would be a second answer nobody asked for (uvicorn's httptools
-protocol sent one): the connection is then only closed, cleanly, after the answer already given.
+read), a 400 would be a second answer nobody asked for (uvicorn's httptools protocol sent one): the
+connection is then only closed, cleanly, after the answer already given. Where the broken bytes begin a new
+request pipelined behind answers still owed (a request still running, an answer still streaming), those
+answers go out first and the 400 after them, as HTTP/1.1 orders pipelined answers; then the connection
+closes. (h11 parses nothing past a request until its answer is complete, so its fallback gets there alone.)
 
 httptools is installed with uvicorn[standard] (a dependency), so `freight api` runs
 FreightHttpToolsProtocol; the h11 fallback runs only where httptools cannot be installed. h11 alone
@@ -69,6 +72,7 @@ class FreightHttpToolsProtocol(_LingeringClose, HttpToolsProtocol):
     one answer per request (see the module's docstring)."""
 
     reading_body = False  # the latest request's headers are parsed and its body is not complete yet
+    deferred_400: str | None = None  # a broken request's 400, owed after the answers queued before it
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -89,8 +93,22 @@ class FreightHttpToolsProtocol(_LingeringClose, HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         if not self.may_answer():
+            if not self.reading_body:  # the broken bytes begin a request pipelined behind answers still owed
+                self.deferred_400 = msg
+                self.lingering = True  # nothing after them can be parsed: dropped unread
+                return
             self.close_after_answer()  # the answer already given (or on its way) stays the only one
             return
+        self._write_400(msg)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        owed = self.pipeline or (self.cycle is not None and not self.cycle.response_complete)
+        if self.deferred_400 is not None and not owed and not self.transport.is_closing():
+            msg, self.deferred_400 = self.deferred_400, None
+            self._write_400(msg)
+
+    def _write_400(self, msg: str) -> None:
         body = protocol_error_body(msg)
         content = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in self.server_state.default_headers:

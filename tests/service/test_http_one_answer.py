@@ -108,3 +108,19 @@ def test_a_broken_request_after_a_completed_one_gets_its_400(connection: RawConn
     assert status == 400 and "malformed HTTP request" in error_of(body)["message"], body
     assert headers["connection"] == "close"
     only_answer_then_eof(connection)
+
+
+def test_a_broken_request_pipelined_behind_a_running_one_gets_its_400_after_that_answer(
+    connection: RawConnection, key: str
+) -> None:
+    """One write holds a request and broken bytes behind it: the parser meets the broken bytes while the
+    first request runs (its task starts only after this read), so its answer is still owed. That answer goes
+    out whole first, then the 400 (HTTP/1.1 answers pipelined requests in order), then EOF."""
+    head = f"GET /v1/jobs?limit=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+    connection.send_raw(head + b"\x16\x03\x01 hello there\r\n\r\n")
+    status, _headers, body = connection.response()
+    assert status == 200 and "data" in body.decode(), body
+    status, headers, body = connection.response()
+    assert status == 400 and "malformed HTTP request" in error_of(body)["message"], body
+    assert headers["connection"] == "close"
+    only_answer_then_eof(connection)

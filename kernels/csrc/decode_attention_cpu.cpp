@@ -40,7 +40,6 @@
 
 #if defined(__AVX512F__)
 #include "avx512_math.h"
-#include "vnni_inplace.h"
 #define FREIGHT_DECODE_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "avx2_math.h"
@@ -323,8 +322,8 @@ __attribute__((always_inline)) inline void score_block_vnni(
             int32_t w0, w1;
             std::memcpy(&w0, qcodes + (first + g) * D + 4 * j, 4);
             std::memcpy(&w1, qcodes + (first + g) * D + 4 * j + 4, 4);
-            freight::dpbusd(even[g], k0, _mm512_set1_epi32(w0));
-            freight::dpbusd(odd[g], k1, _mm512_set1_epi32(w1));
+            even[g] = _mm512_dpbusd_epi32(even[g], k0, _mm512_set1_epi32(w0));
+            odd[g] = _mm512_dpbusd_epi32(odd[g], k1, _mm512_set1_epi32(w1));
           }
         }
         for (int g = 0; g < G; ++g) {

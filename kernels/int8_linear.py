@@ -227,8 +227,11 @@ def int8_linear(
     return y if residual is None else y.add_(residual)
 
 
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU, and GELU's tanh form (Gemma's GeGLU, gelu_pytorch_tanh)
+
+
 def gate_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """A gated MLP's activation of its gate half: "silu", or "gelu_tanh" (Gemma's GeGLU)."""
+    """A gated MLP's activation of its gate half, one of GATE_ACTIVATIONS."""
     if activation == "silu":
         return torch.nn.functional.silu(gate)
     if activation == "gelu_tanh":

@@ -575,7 +575,26 @@ int64_t check_panels(const torch::Tensor& x_q, const torch::Tensor& panels, int6
   TORCH_CHECK(K <= 65536, "the panel product is exact for K up to 65536, got ", K);
   return K;
 }
+
+// What the panel product takes of x [M, K] beside the panels: the shift's correction 128 * sum_k x[m, k] per
+// row, and the rows interleaved (freight_panels::interleave_rows).
+struct PanelInputs {
+  std::vector<int32_t> shift;
+  std::vector<int8_t> interleaved;
+};
+
+PanelInputs panel_inputs(const int8_t* x, int64_t M, int64_t K) {
+  PanelInputs inputs{row_sums(x, M, K), freight_panels::interleave_rows(x, M, K)};
+  for (int32_t& s : inputs.shift) s *= 128;
+  return inputs;
+}
 #endif
+
+void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kInt && out.size(0) == M &&
+                  out.size(1) == N,
+              "out must be a contiguous [M, N] int32 tensor");
+}
 
 }  // namespace
 
@@ -629,14 +648,12 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_panels(torch::Tensor x_q, torch:
 #if defined(FREIGHT_INT8_VNNI512)
   const int64_t K = check_panels(x_q, panels, N), M = x_q.size(0);
   check_scales(x_scale, w_scale, M, N);
-  const int8_t* x = x_q.const_data_ptr<int8_t>();
   const uint8_t* p = panels.const_data_ptr<uint8_t>();
-  std::vector<int32_t> shift = row_sums(x, M, K);
-  for (int32_t& s : shift) s *= 128;
-  const std::vector<int8_t> xi = freight_panels::interleave_rows(x, M, K);
+  const PanelInputs in = panel_inputs(x_q.const_data_ptr<int8_t>(), M, K);
   return argmax_blocks(M, N, x_scale.const_data_ptr<float>(), w_scale.const_data_ptr<float>(),
                        [&](int64_t n0, int64_t width, int32_t* acc) {
-                         freight_panels::panel_product(xi.data(), shift.data(), p, acc, width, M, K, N, n0, n0 + width);
+                         freight_panels::panel_product(in.interleaved.data(), in.shift.data(), p, acc, width, M, K, N,
+                                                       n0, n0 + width);
                        });
 #else
   (void)x_q, (void)x_scale, (void)panels, (void)N, (void)w_scale;
@@ -648,19 +665,14 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_panels(torch::Tensor x_q, torch:
 void product_panels(torch::Tensor x_q, torch::Tensor panels, int64_t N, torch::Tensor out) {
 #if defined(FREIGHT_INT8_VNNI512)
   const int64_t K = check_panels(x_q, panels, N), M = x_q.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kInt && out.size(0) == M &&
-                  out.size(1) == N,
-              "out must be a contiguous [M, N] int32 tensor");
-  const int8_t* x = x_q.const_data_ptr<int8_t>();
+  check_out(out, M, N);
   const uint8_t* p = panels.const_data_ptr<uint8_t>();
   int32_t* o = out.data_ptr<int32_t>();
-  std::vector<int32_t> shift = row_sums(x, M, K);
-  for (int32_t& s : shift) s *= 128;
-  const std::vector<int8_t> xi = freight_panels::interleave_rows(x, M, K);
+  const PanelInputs in = panel_inputs(x_q.const_data_ptr<int8_t>(), M, K);
   constexpr int64_t grain = freight_panels::kPanelsPerStep * freight_panels::kColumns;  // one panel pair per task
   at::parallel_for(0, (N + grain - 1) / grain, 1, [&](int64_t first, int64_t last) {
     const int64_t n_begin = first * grain, n_end = std::min(N, last * grain);
-    freight_panels::panel_product(xi.data(), shift.data(), p, o + n_begin, N, M, K, N, n_begin, n_end);
+    freight_panels::panel_product(in.interleaved.data(), in.shift.data(), p, o + n_begin, N, M, K, N, n_begin, n_end);
   });
 #else
   (void)x_q, (void)panels, (void)N, (void)out;
@@ -672,14 +684,8 @@ void product_panels(torch::Tensor x_q, torch::Tensor panels, int64_t N, torch::T
 // w_sums [N] int32 = w_q.sum(1), given only when every |w| <= 63 (the caller checks once, at load): the AVX2
 // loop then takes the unsigned-activation form (see the top); other builds ignore it.
 void product(torch::Tensor x_q, torch::Tensor w_q, torch::Tensor out, bool amx, c10::optional<torch::Tensor> w_sums) {
-  TORCH_CHECK(x_q.dim() == 2 && x_q.is_contiguous() && x_q.scalar_type() == at::kChar,
-              "x_q must be a contiguous [M, K] int8 tensor");
-  TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kChar,
-              "w_q must be a contiguous [N, K] int8 tensor");
-  TORCH_CHECK(x_q.size(1) == w_q.size(1), "x_q and w_q must have the same K");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kInt && out.size(0) == x_q.size(0) &&
-                  out.size(1) == w_q.size(0),
-              "out must be a contiguous [M, N] int32 tensor");
+  check_codes(x_q, w_q);
+  check_out(out, x_q.size(0), w_q.size(0));
   const int64_t M = x_q.size(0), K = x_q.size(1), N = w_q.size(0);
   const int8_t* x = x_q.const_data_ptr<int8_t>();
   const int8_t* w = w_q.const_data_ptr<int8_t>();

@@ -17,14 +17,11 @@ import torch.nn.functional as F
 
 from kernels import cpu_int8_gemm_amx, cpu_int8_linear, cpu_int8_small_batch, rms_norm
 from kernels.cpu_int8_gemm_amx import QuantizedRows
-from kernels.int8_linear import gate_activation, int8_linear, int8_linear_silu_mul
+from kernels.int8_linear import GATE_ACTIVATIONS, gate_activation, int8_linear, int8_linear_silu_mul
 from kernels.norm import rms_norm_quantize_cpu
 from kernels.quantize import quantize_weight_per_channel
 
 Int8Backend = Literal["int_mm", "onednn", "amx", "triton"]
-
-
-GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU, and GELU's tanh form (Gemma's GeGLU, gelu_pytorch_tanh)
 
 
 def gated(linear: Linear, x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -85,9 +85,9 @@ def measure_small_batch(model: ModelConfig, dtype: str, int8_backend: str) -> di
             for prepared, _, product in timed:
                 product(inputs[prepared.in_features])
 
-        scale = len(weights) / len(timed)  # one layer timed stands for the pool's passes over its layers
-        seconds[f"{rows}/small"] = best_seconds(small) * scale
-        seconds[f"{rows}/library"] = best_seconds(library) * scale
+        passes = len(weights) / len(timed)  # one layer timed stands for the pool's passes over its layers
+        seconds[f"{rows}/small"] = best_seconds(small) * passes
+        seconds[f"{rows}/library"] = best_seconds(library) * passes
     return seconds
 
 
